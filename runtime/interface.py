@@ -1,0 +1,244 @@
+"""The one narrow, typed interface between ``gateway/`` and ``runtime/``.
+
+The gateway builds a :class:`GenerationRequest`, hands it to a :class:`Backend`
+and consumes the :class:`Event` stream it yields. It never imports engine
+internals; the engine never imports FastAPI. Everything here is plain
+dataclasses so it can cross a thread or process boundary.
+
+Event order for one request (always):
+    zero or more ``TextDelta`` → exactly one ``Finished`` (or ``Failed``).
+``TextDelta`` may carry several tokens at once (speculative rounds accept
+several); joined in order the deltas are exactly the completion text.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling controls (OpenAI chat-completions semantics).
+
+    Attributes:
+        temperature: 0 → greedy (argmax); >0 divides logits. OpenAI range [0, 2].
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables (vLLM convention).
+        max_tokens: hard cap on completion tokens (already clamped to the context
+            by the gateway); ``None`` → up to the context limit.
+        stop: up to 4 stop strings, matched across token boundaries; the stop
+            text itself is never returned.
+        seed: per-request ``torch.Generator`` seed, reproducible; ``None`` → random.
+        ignore_eos: keep generating past EOS (benchmarks only).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    """One completion request as the runtime sees it.
+
+    Attributes:
+        request_id: unique id (the gateway's ``chatcmpl-…`` id).
+        prompt_token_ids: the already-templated prompt tokens (gateway applies the
+            chat template via :meth:`Backend.apply_chat_template`).
+        sampling: sampling parameters.
+        tenant: tenant name (for stats/metrics; may be ``None``).
+        user: the OpenAI ``user`` field or the key's user label.
+        sla_target_tokens_per_s: the tenant tier's min decode tok/s per user; ``None``
+            → no target (scheduler weight 1).
+        priority: tier priority, larger = more important (admission/scheduling).
+        timeout_s: per-request wall-clock limit; ``None`` → engine default.
+        return_spec_stats: include :class:`SpecStats` in the API response.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str | None = None
+    user: str | None = None
+    sla_target_tokens_per_s: float | None = None
+    priority: int = 0
+    timeout_s: float | None = None
+    return_spec_stats: bool = False
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding statistics of one request (paper §4 metrics).
+
+    ``accepted`` counts accepted *draft* tokens; ``tau`` = emitted tokens per
+    round (bonus/anchor token included). ``accepted_per_position[j]`` counts
+    rounds whose draft token at position j+1 was accepted. Tokens cut by stop
+    strings, EOS or max_tokens are not counted.
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length τ per round, bonus token included (0 if no rounds)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "verified": self.verified,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "tau": round(self.tau, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or context limit
+    ABORT = "abort"  # cancelled (client went away) — never sent to a client
+    ERROR = "error"  # engine failure
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic-clock timestamps (``time.monotonic()`` seconds) and wall start.
+
+    Decode tok/s (the project's one definition, see ``decode_tokens_per_s``):
+    (completion_tokens − 1) / (t_last_token − t_first_token).
+    """
+
+    wall_queued: float = 0.0  # time.time() when the engine received it
+    queued: float = 0.0
+    started: float | None = None  # first scheduled (prefill began)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+def decode_tokens_per_s(completion_tokens: int, t_first: float | None, t_last: float | None) -> float | None:
+    """A request's decode speed: (completion_tokens − 1) / (t_last − t_first), tok/s.
+
+    ``None`` when fewer than 2 tokens were produced or the interval is not positive.
+    This is the single definition used by the engine, gateway, DB and bench.
+    """
+    if completion_tokens < 2 or t_first is None or t_last is None or t_last <= t_first:
+        return None
+    return (completion_tokens - 1) / (t_last - t_first)
+
+
+@dataclass
+class TextDelta:
+    """New completion text and the number of tokens it came from (≥ 1, may be 0
+    when a held-back partial UTF-8 character / stop-string prefix is released
+    at the end)."""
+
+    text: str
+    num_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    """Terminal event: the request ended normally (stop/length) or was aborted."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: RequestTimings
+    spec: SpecStats | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return decode_tokens_per_s(self.completion_tokens, self.timings.first_token, self.timings.last_token)
+
+
+@dataclass
+class Failed:
+    """Terminal event: the engine failed this request. ``code`` is an OpenAI-style
+    error code (e.g. ``"engine_error"``, ``"timeout"``)."""
+
+    message: str
+    code: str = "engine_error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: RequestTimings | None = None
+
+
+Event = TextDelta | Finished | Failed
+
+
+class QueueFullError(RuntimeError):
+    """Raised by :meth:`Backend.generate` when the waiting queue is full (→ HTTP 503
+    with ``retry-after``)."""
+
+    def __init__(self, message: str = "engine queue is full", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class BackendInfo:
+    """Static facts the gateway needs (``/v1/models``, context clamping)."""
+
+    model_name: str
+    max_context: int
+    eos_token_id: int
+
+
+@dataclass
+class LoadSnapshot:
+    """Live engine load, for admission control and metrics."""
+
+    running: int
+    waiting: int
+    max_batch: int
+    forward_steps: int  # engine counter: target forward passes since start
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the gateway talks to. Implemented by the embedded engine
+    (``runtime.async_engine.AsyncEngine``) and later the SGLang client."""
+
+    @property
+    def info(self) -> BackendInfo: ...
+
+    def ready(self) -> bool:
+        """True once the model is loaded and the engine loop runs."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of the templated prompt (tokenizer's own chat template,
+        generation prompt appended). Raises ``ValueError`` on bad messages."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt (``/v1/completions``)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Submit and stream events. Raises :class:`QueueFullError` (before the
+        first event) when the waiting queue is full. Closing the iterator early
+        (``aclose()`` / task cancellation) aborts the request and frees its slot
+        and KV before the next engine step."""
+        ...
+
+    def load(self) -> LoadSnapshot: ...

@@ -1,0 +1,364 @@
+"""A lean Llama-architecture model for the target (SmolLM2-135M-Instruct).
+
+RMSNorm, rotary embeddings (rotate-half layout, as in HF Llama), grouped-query
+attention over a slot KV cache (:mod:`runtime.kv_cache`), SwiGLU MLP, tied LM head.
+
+The forward is ONE flattened ragged pass over all scheduled tokens of all
+sequences: the token dimension ``T = Σ_i n_i`` concatenates ``n_i`` new tokens of
+sequence ``i`` (1 for a decode step, k+1 for speculative verification of k
+drafts, a chunk for prefill). Projections/MLP run on the flat ``[T, d]`` tensor
+with no padding; attention runs per sequence over a view of its cache slot
+(``[:length + n_i]``, no copy), causal within the new tokens. New K/V are written
+into the cache and the cached length advances by ``n_i``; rolling back rejected
+drafts is :meth:`KVCache.truncate`. Hidden states of chosen layers are returned
+for the DSpark drafter (paper §3.1: "context features").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kv_cache import KVCache
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_position: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        """Build from a transformers ``config.json`` dict (Llama family)."""
+        rope = cfg.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            max_position=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            bos_token_id=cfg.get("bos_token_id", 1),
+            eos_token_id=cfg.get("eos_token_id", 2),
+        )
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · w, computed in fp32, returned in x.dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (rotate-half layout).
+
+    ``cos``/``sin`` are ``[max_position, head_dim]`` fp32 buffers; :meth:`apply`
+    takes ``x [T, heads, head_dim]`` and integer ``positions [T]``.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_position: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions [T]`` → each ``[T, 1, head_dim]`` in ``dtype``."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's part of a ragged forward.
+
+    Attributes:
+        slot: its KV-cache slot.
+        start: cached length before this forward (= position of the first new token).
+        num_new: number of new tokens ``n_i`` (≥ 1).
+    """
+
+    slot: int
+    start: int
+    num_new: int
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused QKV projection, reading/writing a :class:`KVCache`."""
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_out = cfg.num_heads * cfg.head_dim
+        kv_out = cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_out, kv_out, kv_out)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[T, d]`` → rotated q ``[T, H, D]``, rotated k and v ``[T, KVH, D]``."""
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        T = x.shape[0]
+        q = Rotary.apply(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = Rotary.apply(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(T, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        spans: Sequence[SeqSpan],
+        slot_idx: torch.Tensor,
+        positions: torch.Tensor,
+        masks: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, L, D]
+        kc[slot_idx, :, positions] = k
+        vc[slot_idx, :, positions] = v
+        out = torch.empty_like(q)
+        offset = 0
+        for span, mask in zip(spans, masks):
+            n = span.num_new
+            end = span.start + n
+            qi = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ki = kc[span.slot, :, :end].unsqueeze(0)  # [1, KVH, end, D]
+            vi = vc[span.slot, :, :end].unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[offset : offset + n] = oi[0].transpose(0, 1)
+            offset += n
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up projection: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, spans, slot_idx, positions, masks) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, spans, slot_idx, positions, masks)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ForwardOutput:
+    """Result of :meth:`LlamaModel.forward`.
+
+    Attributes:
+        logits: fp32 ``[R, vocab]`` for the requested rows (``logits_rows``), or
+            ``None`` if no rows were requested.
+        taps: ``[T, len(tap_layers), hidden]`` in the model dtype — the output of
+            each tapped decoder layer (= transformers' ``hidden_states[i + 1]``),
+            or ``None`` if no taps were requested.
+        hidden: final normed hidden states ``[T, hidden]`` (model dtype).
+    """
+
+    logits: torch.Tensor | None
+    taps: torch.Tensor | None
+    hidden: torch.Tensor
+
+
+class LlamaModel(nn.Module):
+    """The target model. See the module docstring for the ragged-forward contract."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, num_slots: int, max_len: int, device: str | torch.device = "cpu") -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, max_len, self.dtype, device)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden ``[R, d]`` → fp32 logits ``[R, vocab]``."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @staticmethod
+    def causal_masks(spans: Sequence[SeqSpan], device: torch.device) -> list[torch.Tensor | None]:
+        """Per-sequence boolean masks ``[n_i, start_i + n_i]`` (True = attend).
+
+        New token t (position start+t) sees cached keys and new keys ≤ itself.
+        A single new token sees everything, so its mask is ``None``.
+        """
+        masks: list[torch.Tensor | None] = []
+        for s in spans:
+            if s.num_new == 1:
+                masks.append(None)
+                continue
+            q_pos = torch.arange(s.start, s.start + s.num_new, device=device)[:, None]
+            k_pos = torch.arange(s.start + s.num_new, device=device)[None, :]
+            masks.append(k_pos <= q_pos)
+        return masks
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        spans: Sequence[SeqSpan],
+        cache: KVCache,
+        logits_rows: torch.Tensor | None = None,
+        tap_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """One ragged forward over all new tokens of all sequences.
+
+        Args:
+            input_ids: int64 ``[T]``, the new tokens of every span concatenated in order.
+            spans: one :class:`SeqSpan` per sequence; ``Σ num_new == T`` and each
+                ``start`` must equal ``cache.lengths[slot]``.
+            cache: the KV cache; K/V of the new tokens are written and each
+                sequence's length advances by ``num_new``.
+            logits_rows: int64 row indices into ``[0, T)`` whose logits are needed
+                (e.g. each span's last token for decode, all rows for verification);
+                ``None`` → no LM head at all.
+            tap_layers: decoder-layer indices whose outputs to return (DSpark features).
+
+        Raises:
+            ValueError: a span's ``start`` disagrees with the cache or overflows it.
+        """
+        device = input_ids.device
+        for s in spans:
+            if s.start != cache.lengths[s.slot]:
+                raise ValueError(f"span start {s.start} != cached length {cache.lengths[s.slot]} (slot {s.slot})")
+            if s.start + s.num_new > cache.max_len:
+                raise ValueError(f"slot {s.slot}: {s.start + s.num_new} tokens exceed the cache ({cache.max_len})")
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in spans]).to(device)
+        slot_idx = torch.cat([torch.full((s.num_new,), s.slot, dtype=torch.long) for s in spans]).to(device)
+        masks = self.causal_masks(spans, device)
+        cos, sin = self.rotary.tables(positions, self.dtype)
+
+        x = self.embed_tokens(input_ids)
+        taps: list[torch.Tensor] = []
+        tap_set = {i: j for j, i in enumerate(tap_layers)}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, spans, slot_idx, positions, masks)
+            if i in tap_set:
+                taps.append(x)
+        for s in spans:
+            cache.lengths[s.slot] = s.start + s.num_new
+
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[logits_rows]) if logits_rows is not None else None
+        tap_tensor = torch.stack([taps[tap_set[i]] for i in tap_layers], dim=1) if tap_layers else None
+        return ForwardOutput(logits=logits, taps=tap_tensor, hidden=hidden)
+
+
+def _fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Map transformers Llama weight names onto ours (fused qkv and gate/up)."""
+    out: dict[str, torch.Tensor] = {}
+    out["embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+    out["norm.weight"] = sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        out["lm_head_weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"]]
+        )
+        out[f"layers.{i}.self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
+        )
+        out[f"layers.{i}.mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
+    return out
+
+
+def load_llama(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+    """Load a transformers-format Llama dir (``config.json`` + ``model.safetensors``).
+
+    Takes ~0.2 s for the 135M model from the safetensors cache.
+    """
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    cfg = LlamaConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    sd = load_file(str(model_dir / "model.safetensors"))
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    fused = _fuse_hf_state_dict(sd, cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=False, assign=True)
+    # Non-persistent buffers (rotary tables) must be rebuilt off the meta device.
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+    if cfg.tie_word_embeddings:
+        model.lm_head_weight = model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,214 @@
+"""The embedded engine: ``schedule() → run one ragged forward → postprocess()``.
+
+Synchronous and single-threaded on purpose (nano-vllm style); the asyncio side
+lives in :mod:`runtime.async_engine`, which runs :meth:`LLMEngine.step` in a
+worker thread so the HTTP event loop never blocks.
+
+One step = ONE target forward (counted in :attr:`LLMEngine.forward_steps`) over
+every decoding sequence's anchor token (plus verified draft tokens when
+speculating) and the prefill chunks the batch scheduler picked.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.detokenizer import Detokenizer
+from runtime.interface import (
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    TextDelta,
+)
+from runtime.models.llama import LlamaModel, SeqSpan, load_llama
+from runtime.models.loader import MODEL_NAME, ensure_converted
+from runtime.sampler import params_to_tensors, sample, warp_probs
+from runtime.scheduler import BatchScheduler, StepPlan
+from runtime.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+EmitFn = Callable[[str, Event], None]
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    """Continuous-batching engine over the lean Llama target.
+
+    Args:
+        config: engine knobs.
+        emit: called (in the engine thread) with ``(request_id, event)`` for every
+            :class:`TextDelta` / :class:`Finished` / :class:`Failed`.
+        model, tokenizer: injected for tests; loaded from the cache otherwise.
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+
+    def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)}")
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.emit = emit
+        model_dir = None
+        if model is None or tokenizer is None:
+            model_dir = ensure_converted()
+        self.model = model if model is not None else load_llama(model_dir, DTYPES[config.dtype])
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.model_name = MODEL_NAME
+        self.eos_token_id = self.model.cfg.eos_token_id
+        self.lookahead = config.num_speculative_tokens + 1 if config.spec_method != "none" else 1
+        self.cache = self.model.new_cache(config.max_batch_size, config.max_context + self.lookahead)
+        self.scheduler = BatchScheduler(self.cache, config.max_step_tokens, config.prefill_chunk_tokens)
+        self.forward_steps = 0
+        self._by_id: dict[str, Sequence] = {}
+
+    # -- requests -----------------------------------------------------------
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request; invalid ones fail immediately with a :class:`Failed` event."""
+        n = len(req.prompt_token_ids)
+        if n == 0 or n >= self.config.max_context:
+            self.emit(req.request_id, Failed(f"prompt has {n} tokens; need 1..{self.config.max_context - 1}", "invalid_prompt"))
+            return
+        room = self.config.max_context - n
+        max_tokens = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
+        seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
+        now = time.monotonic()
+        seq = Sequence(
+            request=req,
+            max_tokens=max_tokens,
+            generator=torch.Generator().manual_seed(seed),
+            deadline=now + (req.timeout_s or self.config.request_timeout_s),
+            detok=Detokenizer(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_id, max_tokens),
+            token_ids=list(req.prompt_token_ids),
+            num_prompt=n,
+        )
+        seq.timings.queued = now
+        seq.timings.wall_queued = time.time()
+        self._by_id[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client went away): its slot and KV are freed now."""
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- the step -----------------------------------------------------------
+    def step(self) -> None:
+        """Run one engine step (one target forward). Failures fail only this step's requests."""
+        self._expire_timeouts()
+        plan = self.scheduler.schedule(decode_tokens_per_seq=1)
+        if plan.empty():
+            return
+        try:
+            self._run(plan)
+        except Exception as exc:  # noqa: BLE001 — isolate the failure to this step's requests
+            log.exception("engine step failed")
+            for seq in plan.decode + [s for s, _ in plan.prefill]:
+                self._fail(seq, f"engine step failed: {type(exc).__name__}", "engine_error")
+
+    def _run(self, plan: StepPlan) -> None:
+        ids: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq in plan.decode:
+            spans.append(SeqSpan(seq.slot, seq.num_cached, 1))
+            sample_rows.append(len(ids))
+            sample_seqs.append(seq)
+            ids.append(seq.last_token)
+        for seq, n in plan.prefill:
+            if seq.timings.started is None:
+                seq.timings.started = time.monotonic()
+            spans.append(SeqSpan(seq.slot, seq.num_cached, n))
+            ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            if n == seq.prompt_remaining:  # last chunk: its last row gives the first token
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        out = self.model.forward(torch.tensor(ids), spans, self.cache, torch.tensor(sample_rows))
+        self.forward_steps += 1
+        for span, seq in zip(spans, plan.decode + [s for s, _ in plan.prefill]):
+            seq.num_cached = span.start + span.num_new
+        if sample_seqs:
+            temp, top_k, top_p = params_to_tensors([s.request.sampling for s in sample_seqs])
+            probs = warp_probs(out.logits, temp, top_k, top_p)
+            tokens = sample(probs, [s.generator for s in sample_seqs]).tolist()
+            for seq, tok in zip(sample_seqs, tokens):
+                seq.status = SeqStatus.DECODE
+                self._append_tokens(seq, [tok])
+
+    # -- postprocess --------------------------------------------------------
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int]) -> int:
+        """Feed accepted tokens through stop/EOS/max_tokens checks; emit; return #kept."""
+        res = seq.detok.append(new_tokens)
+        kept = res.num_tokens_kept
+        if kept:
+            now = time.monotonic()
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            seq.timings.last_token = now
+            seq.num_completion += kept
+            seq.token_ids.extend(res.token_ids_kept)
+        if res.text or kept:
+            self.emit(seq.request_id, TextDelta(res.text, kept, list(res.token_ids_kept)))
+        if res.finish_reason is not None:
+            self._finish(seq, res.finish_reason)
+        return kept
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if reason is not FinishReason.ABORT:
+            tail = seq.detok.flush()
+            if tail:
+                self.emit(seq.request_id, TextDelta(tail, 0, []))
+        self._release(seq)
+        seq.timings.finished = time.monotonic()
+        spec = seq.spec if self.config.spec_method != "none" else None
+        self.emit(seq.request_id, Finished(reason, seq.num_prompt, seq.num_completion, seq.timings, spec))
+
+    def _fail(self, seq: Sequence, message: str, code: str) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        self._release(seq)
+        seq.timings.finished = time.monotonic()
+        self.emit(seq.request_id, Failed(message, code, seq.num_prompt, seq.num_completion, seq.timings))
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+
+    def _expire_timeouts(self) -> None:
+        now = time.monotonic()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if now > seq.deadline:
+                self._fail(seq, "request timed out", "timeout")

@@ -1,0 +1,1 @@
+"""DSpark: confidence-scheduled speculative decoding (arXiv:2607.05147)."""

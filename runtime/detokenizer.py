@@ -1,0 +1,211 @@
+"""Per-request incremental detokenization with EOS / stop-string / max_tokens handling.
+
+A speculative round may accept several tokens at once, so :meth:`Detokenizer.append`
+takes k ≥ 1 token ids and processes them strictly in order; nothing after the
+token that ends the request is decoded, emitted or counted.
+
+Text decoding uses ``tokenizers.decoders.DecodeStream`` (the library's own
+streaming decoder): it re-decodes only a short window of recent tokens and holds
+a token back while the window's text ends in U+FFFD (an incomplete UTF-8
+sequence, e.g. an emoji split over two byte-level BPE tokens), so each step costs
+O(k) and never emits a broken character. Decoding starts at the first completion
+token: SmolLM2's byte-level BPE decoder is context-free, so the joined deltas are
+exactly ``tokenizer.decode(kept_ids, skip_special_tokens=True)`` (cut at a stop
+string). Special tokens other than EOS produce no text.
+
+Conventions (OpenAI chat-completions, as served by vLLM):
+
+* **EOS** (``eos_token_id``, unless ``params.ignore_eos``): finish ``stop``. The
+  EOS token produces no text but *is* a completion token (vLLM counts it in
+  ``usage.completion_tokens``), so it is included in ``num_tokens_kept`` and
+  ``token_ids_kept``; tokens after it are dropped.
+* **Stop strings** (``params.stop``, empty strings ignored): matched on the
+  decoded text across token boundaries; the earliest match wins; the stop text
+  and everything after it is never returned. The token that completed the match
+  is kept and counted (its text may extend past the stop and is cut); later
+  tokens are dropped. Finish ``stop``. A text tail that could be the start of a
+  stop string is held back until disambiguated, and released when the request
+  ends for any other reason.
+* **max_tokens**: finish ``length`` when the count reaches the cap (EOS or a stop
+  string completed by that same token take precedence, as in vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from runtime.interface import FinishReason, SamplingParams
+
+
+@dataclass
+class StepResult:
+    """Outcome of one :meth:`Detokenizer.append` (or :meth:`Detokenizer.finish`).
+
+    Attributes:
+        text: newly released completion text (may be ``""`` while a partial UTF-8
+            character or a possible stop-string prefix is held back).
+        num_tokens_kept: how many of the appended tokens count as completion
+            tokens (a prefix of the input; EOS included when it ended the request).
+        finish_reason: set when this step ended the request, else ``None``.
+        token_ids_kept: ``token_ids[:num_tokens_kept]``.
+    """
+
+    text: str
+    num_tokens_kept: int
+    finish_reason: FinishReason | None
+    token_ids_kept: list[int] = field(default_factory=list)
+
+
+class Detokenizer:
+    """Incremental detokenizer and stop checker of one request.
+
+    Args:
+        tokenizer: a ``transformers`` fast tokenizer (its ``backend_tokenizer`` is
+            used) or a ``tokenizers.Tokenizer``.
+        prompt_token_ids: the prompt (only its length is kept, as ``prompt_tokens``;
+            decoding starts at the completion, see the module docstring).
+        params: the request's sampling parameters (``stop``, ``ignore_eos``).
+        eos_token_id: the id that ends generation (SmolLM2: 2, ``<|im_end|>``).
+        max_tokens: completion-token cap (≥ 1), ``None`` for no cap (the engine then
+            ends the request itself via :meth:`finish`).
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        eos_token_id: int,
+        max_tokens: int | None,
+    ):
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self._tok: Tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._eos = None if params.ignore_eos else int(eos_token_id)
+        self._stops = tuple(s for s in params.stop if s)
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self.max_tokens = max_tokens
+        self.prompt_tokens = len(prompt_token_ids)
+        self.num_tokens = 0  # completion tokens counted so far
+        self.finish_reason: FinishReason | None = None
+        self._pending: list[int] = []  # fed to the stream, text not yet released by it
+        self._held = ""  # decoded text held back as a possible stop-string prefix
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens_left(self) -> int | None:
+        """Completion tokens still allowed before ``max_tokens`` (``None``: no cap)."""
+        return None if self.max_tokens is None else self.max_tokens - self.num_tokens
+
+    def append(self, token_ids: Sequence[int]) -> StepResult:
+        """Consume newly generated tokens, in order, and release what is final.
+
+        Args:
+            token_ids: k ≥ 0 new token ids (e.g. the accepted tokens of a round).
+
+        Returns:
+            A :class:`StepResult`; when ``finish_reason`` is set, all remaining
+            held text has been released and the detokenizer is closed.
+
+        Raises:
+            RuntimeError: the request already finished.
+        """
+        if self.finish_reason is not None:
+            raise RuntimeError(f"append() after the request finished ({self.finish_reason.value})")
+        kept: list[int] = []
+        buf = self._held
+        reason: FinishReason | None = None
+        cut_by_stop = False
+        for tid in token_ids:
+            tid = int(tid)
+            kept.append(tid)
+            self.num_tokens += 1
+            if tid == self._eos:
+                reason = FinishReason.STOP
+                break
+            chunk = self._stream.step(self._tok, tid)
+            if chunk is None:
+                self._pending.append(tid)
+            else:
+                self._pending.clear()
+                start = max(0, len(buf) - self._max_stop + 1)
+                buf += chunk
+                cut = self._find_stop(buf, start)
+                if cut is not None:
+                    buf = buf[:cut]
+                    reason, cut_by_stop = FinishReason.STOP, True
+                    break
+            if self.max_tokens is not None and self.num_tokens >= self.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        if reason is None:
+            hold = self._stop_prefix_len(buf)
+            self._held = buf[len(buf) - hold :]
+            return StepResult(buf[: len(buf) - hold], len(kept), None, kept)
+        if not cut_by_stop:
+            buf += self._decode_pending()
+        self._close(reason)
+        return StepResult(buf, len(kept), reason, kept)
+
+    def finish(self, reason: FinishReason = FinishReason.LENGTH) -> StepResult:
+        """End the request from outside (context limit, abort, error) and release
+        all held-back text: a pending stop-string prefix, and a trailing incomplete
+        UTF-8 sequence rendered as ``tokenizer.decode`` renders it (U+FFFD).
+
+        Idempotent: after the request finished, returns an empty result carrying the
+        original finish reason.
+        """
+        if self.finish_reason is not None:
+            return StepResult("", 0, self.finish_reason, [])
+        text = self._held + self._decode_pending()
+        self._close(reason)
+        return StepResult(text, 0, reason, [])
+
+    flush = finish  # alias: end-of-request release of held-back text
+
+    # ------------------------------------------------------------------ helpers
+
+    def _close(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self._held = ""
+        self._pending = []
+
+    def _decode_pending(self) -> str:
+        """Text of tokens the stream still holds (an incomplete byte sequence).
+
+        They start at a character boundary (everything before was released), so
+        decoding them alone equals their share of the full decode.
+        """
+        if not self._pending:
+            return ""
+        return self._tok.decode(self._pending, skip_special_tokens=True)
+
+    def _find_stop(self, text: str, start: int) -> int | None:
+        """Index of the earliest stop-string occurrence in ``text[start:]``, or None."""
+        best = None
+        for s in self._stops:
+            i = text.find(s, start)
+            if i != -1 and (best is None or i < best):
+                best = i
+        return best
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+        best = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,107 @@
+"""FastAPI dependencies: settings, backend, DB session, API-key auth and JSON bodies."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Annotated, AsyncIterator, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.core.config import Settings
+from gateway.core.security import AuthCache, Principal, key_digest
+from gateway.crud import keys as crud_keys
+from gateway.db.models import utcnow
+from gateway.errors import from_validation_error, invalid_request, unauthorized
+from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from runtime.interface import Backend
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_backend(request: Request) -> Backend:
+    return request.app.state.backend
+
+
+async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+    async with request.app.state.sessionmaker() as session:
+        yield session
+
+
+def bearer_token(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header; 401 when absent/malformed."""
+    if not header:
+        raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise unauthorized("Malformed Authorization header; expected 'Authorization: Bearer YOUR_KEY'.")
+    return token
+
+
+async def require_principal(request: Request) -> Principal:
+    """Authenticate the bearer key (or the admin token). 401 for missing, unknown,
+    revoked or expired keys. Positive lookups are cached for ``auth_cache_ttl_s``."""
+    token = bearer_token(request.headers.get("authorization"))
+    state = request.app.state
+    admin = state.settings.admin_token
+    if admin and hmac.compare_digest(token.encode(), admin.encode()):
+        return Principal(tenant="admin", is_admin=True)
+    digest = key_digest(token)
+    cache: AuthCache = state.auth_cache
+    principal = cache.get(digest)
+    if principal is None:
+        async with state.sessionmaker() as session:
+            principal = await crud_keys.authenticate(session, digest)
+        if principal is not None:
+            cache.put(digest, principal)
+    if principal is None or (principal.expires_at is not None and principal.expires_at <= utcnow()):
+        raise unauthorized("Incorrect API key provided, or the key was revoked or has expired.")
+    return principal
+
+
+CurrentPrincipal = Annotated[Principal, Depends(require_principal)]
+
+
+async def read_json_object(request: Request) -> dict:
+    """The body as a JSON object (any content type); 400 for non-JSON or non-objects."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_request("We could not parse the JSON body of your request. The body must be "
+                              "a JSON object.", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid_request(f"The request body must be a JSON object, not {_json_type(data)}.", None, "invalid_json")
+    return data
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def validate_body(model: type[M], data: dict) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def chat_body(request: Request, _: CurrentPrincipal) -> ChatCompletionRequest:
+    """Parsed ``/v1/chat/completions`` body (auth runs first)."""
+    return validate_body(ChatCompletionRequest, await read_json_object(request))
+
+
+async def completion_body(request: Request, _: CurrentPrincipal) -> CompletionRequest:
+    """Parsed ``/v1/completions`` body (auth runs first)."""
+    return validate_body(CompletionRequest, await read_json_object(request))

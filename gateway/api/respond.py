@@ -1,0 +1,45 @@
+"""The part of ``/v1/chat/completions`` and ``/v1/completions`` after the prompt is
+tokenized: clamp ``max_tokens``, submit, then stream (SSE) or answer JSON."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.core.security import Principal
+from gateway.formatters import Formatter
+from gateway.generation import SSEResponse, collect, sse_events, start_generation
+from gateway.schemas.openai import _SamplingFields
+from gateway.translate import completion_budget, generation_request, requested_max_tokens
+from runtime.interface import Backend, Finished
+
+
+async def respond(
+    request: Request,
+    backend: Backend,
+    principal: Principal,
+    body: _SamplingFields,
+    prompt_ids: list[int],
+    fmt: Formatter,
+    prompt_param: str,
+) -> Response:
+    """Run the request and build the HTTP response.
+
+    ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
+    context when absent), so an over-long request ends with ``finish_reason: "length"``.
+    """
+    state = request.app.state
+    max_tokens = completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param)
+    gen_request = generation_request(fmt.id, prompt_ids, body, max_tokens, principal.tenant,
+                                     principal.user_label, state.settings.request_timeout_s)
+    stream = await start_generation(backend, gen_request, request)
+
+    def record(finished: Finished) -> None:
+        state.stats.record(finished, principal.tenant)
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(sse_events(stream, fmt, include_usage, record))
+    text, finished = await collect(stream, request)
+    record(finished)
+    return JSONResponse(fmt.complete(text, finished))

@@ -1,0 +1,36 @@
+"""``POST /v1/chat/completions`` (OpenAI Chat Completions, streaming and not)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from gateway.api.deps import CurrentPrincipal, chat_body, get_backend
+from gateway.api.respond import respond
+from gateway.errors import invalid_request
+from gateway.formatters import ChatFormatter
+from gateway.schemas.openai import ChatCompletionRequest
+from gateway.translate import reject_unsupported_chat, resolve_model, template_messages
+from runtime.interface import Backend
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    request: Request,
+    principal: CurrentPrincipal,
+    body: Annotated[ChatCompletionRequest, Depends(chat_body)],
+    backend: Annotated[Backend, Depends(get_backend)],
+) -> Response:
+    reject_unsupported_chat(body)
+    model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
+    messages = template_messages(body.messages)
+    try:
+        prompt_ids = backend.apply_chat_template(messages)
+    except ValueError as exc:
+        raise invalid_request(f"Invalid messages: {exc}", "messages") from None
+    fmt = ChatFormatter(model, len(prompt_ids), bool(body.return_spec_stats))
+    return await respond(request, backend, principal, body, prompt_ids, fmt, "messages")

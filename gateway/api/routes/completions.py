@@ -1,0 +1,31 @@
+"""``POST /v1/completions`` (OpenAI legacy text completions, streaming and not)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from gateway.api.deps import CurrentPrincipal, completion_body, get_backend
+from gateway.api.respond import respond
+from gateway.formatters import CompletionFormatter
+from gateway.schemas.openai import CompletionRequest
+from gateway.translate import completion_prompt, reject_unsupported_completion, resolve_model
+from runtime.interface import Backend
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(
+    request: Request,
+    principal: CurrentPrincipal,
+    body: Annotated[CompletionRequest, Depends(completion_body)],
+    backend: Annotated[Backend, Depends(get_backend)],
+) -> Response:
+    reject_unsupported_completion(body)
+    model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
+    prompt_ids = backend.encode(completion_prompt(body))
+    fmt = CompletionFormatter(model, len(prompt_ids), bool(body.return_spec_stats))
+    return await respond(request, backend, principal, body, prompt_ids, fmt, "prompt")

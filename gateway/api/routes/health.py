@@ -1,0 +1,25 @@
+"""Liveness and readiness probes (no API key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    """200 whenever the process serves HTTP."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """200 once ``backend.ready()``; 503 while the model loads (or if starting failed)."""
+    if request.app.state.backend.ready():
+        return JSONResponse({"status": "ready"})
+    task = getattr(request.app.state, "backend_start", None)
+    if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+        return JSONResponse({"status": "failed", "error": repr(task.exception())}, status_code=503)
+    return JSONResponse({"status": "starting"}, status_code=503)

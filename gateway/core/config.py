@@ -1,0 +1,85 @@
+"""Gateway settings (pydantic-settings): environment variables ``SPARKGATE_*`` and ``.env``.
+
+Example: ``SPARKGATE_PORT=9000 SPARKGATE_CORS_ORIGINS=http://localhost:3000 sparkgate serve``.
+List values accept JSON (``["a","b"]``) or a comma-separated string.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from runtime.config import EngineConfig
+
+
+def default_database_url() -> str:
+    """``sqlite+aiosqlite:///<cache_dir>/sparkgate.db`` (cache dir: ``$SPARKGATE_CACHE_DIR``
+    or ``~/.cache/sparkgate``)."""
+    from runtime.models.loader import cache_dir  # only reads the environment
+
+    return f"sqlite+aiosqlite:///{cache_dir() / 'sparkgate.db'}"
+
+
+class Settings(BaseSettings):
+    """Every knob of the gateway and the embedded engine it builds.
+
+    Attributes:
+        host, port: where ``sparkgate serve`` listens.
+        database_url: SQLAlchemy async URL (``sqlite+aiosqlite://`` or
+            ``postgresql+asyncpg://``) holding tenants and API keys.
+        dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
+        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens:
+            passed to :class:`runtime.config.EngineConfig` (see its docstring).
+        cors_origins: browser origins allowed by CORS; empty → CORS disabled.
+        admin_token: optional extra bearer token accepted on every route (tenant ``admin``).
+        model_name: public name of the served model (accepted as ``model`` alias).
+        auth_cache_ttl_s: how long a successful key lookup is cached in-process (seconds);
+            a revoked key keeps working for at most this long in a running server.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SPARKGATE_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    database_url: str = Field(default_factory=default_database_url)
+    dtype: str = "bfloat16"
+    max_batch_size: int = 16
+    max_context: int = 2048
+    max_waiting: int = 256
+    request_timeout_s: float = 600.0
+    spec_method: str = "none"
+    spec_policy: str = "dspark-sla"
+    draft_checkpoint: str | None = None
+    num_speculative_tokens: int = 7
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    admin_token: str | None = None
+    model_name: str = "SmolLM2-135M-Instruct"
+    auth_cache_ttl_s: float = 5.0
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    def engine_config(self) -> EngineConfig:
+        """The :class:`EngineConfig` for the embedded engine (other fields keep their defaults)."""
+        return EngineConfig(
+            dtype=self.dtype,
+            max_batch_size=self.max_batch_size,
+            max_context=self.max_context,
+            max_waiting=self.max_waiting,
+            request_timeout_s=self.request_timeout_s,
+            spec_method=self.spec_method,
+            spec_policy=self.spec_policy,
+            draft_checkpoint=self.draft_checkpoint,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )

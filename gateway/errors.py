@@ -1,0 +1,141 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the gateway returns goes through :class:`APIError` or one of the
+handlers installed by :func:`install_error_handlers`, so clients never see a
+bare 500, FastAPI's 422 shape or a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """An error answered as ``status`` with the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400 ``invalid_request_error``."""
+    return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def unsupported(param: str, detail: str = "") -> APIError:
+    """400 for an OpenAI parameter this gateway does not implement (yet)."""
+    extra = f" {detail}" if detail else ""
+    return APIError(400, f"The '{param}' parameter is not supported by this server.{extra}",
+                    INVALID_REQUEST, param, "unsupported_parameter")
+
+
+def unauthorized(message: str) -> APIError:
+    """401 ``authentication_error`` / ``invalid_api_key``."""
+    return APIError(401, message, AUTHENTICATION, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    INVALID_REQUEST, "model", "model_not_found")
+
+
+def overloaded(message: str, retry_after_s: float, code: str = "queue_full") -> APIError:
+    """503 with an integer ``retry-after`` header (seconds, at least 1)."""
+    retry = str(max(1, math.ceil(retry_after_s)))
+    return APIError(503, message, SERVER_ERROR, None, code, {"Retry-After": retry})
+
+
+def server_error(message: str, code: str | None = "engine_error") -> APIError:
+    return APIError(500, message, SERVER_ERROR, None, code)
+
+
+def param_path(loc: tuple) -> str | None:
+    """Pydantic location → OpenAI-style param, e.g. ``('messages', 0, 'role')`` → ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError, strip_body: bool = False) -> APIError:
+    """First pydantic error → 400 naming its field in ``param``."""
+    err = exc.errors()[0]
+    loc = tuple(err.get("loc", ()))
+    if strip_body and loc and loc[0] == "body":
+        loc = loc[1:]
+    if err.get("type") == "json_invalid":
+        return invalid_request("We could not parse the JSON body of your request.", None, "invalid_json")
+    param = param_path(loc)
+    where = f" for '{param}'" if param else ""
+    return invalid_request(f"Invalid value{where}: {err.get('msg', 'invalid')}", param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error in the OpenAI shape (400 instead of FastAPI's 422)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc, strip_body=True).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = APIError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url")
+        elif exc.status_code == 405:
+            err = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                           code="method_not_allowed")
+        else:
+            kind = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
+            err = APIError(exc.status_code, str(exc.detail), kind)
+        err.headers = dict(exc.headers or {})
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this response is sent, so the server logs the traceback.
+        log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+        return server_error("The server had an error while processing your request.", None).response()

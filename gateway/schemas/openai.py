@@ -1,0 +1,165 @@
+"""Pydantic models of the OpenAI chat-completions / completions wire format.
+
+Requests are validated strictly (no ``"1"`` → ``1`` coercion, no bools as ints)
+and unknown fields are ignored, because agent frameworks send extras. Parameters
+that OpenAI defines but this server does not implement are declared as loose
+``Any`` fields so :mod:`gateway.translate` can reject them by name instead of
+ignoring them. Source: OpenAI API reference, "Chat" and "Completions (legacy)".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Request):
+    """One element of a list-valued message ``content``; only ``type: "text"`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and legacy completions."""
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = None
+    user: str | None = None
+    ignore_eos: bool | None = False  # extension (benchmarks)
+    return_spec_stats: bool | None = False  # Sparkgate extension
+    # Defined by OpenAI, not implemented: rejected by name in gateway.translate.
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's legacy default
+    logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_stats: dict | None = None  # only serialized when requested
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict  # {"role": "assistant", "content": ""} first, then {"content": "..."}, last {}
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    spec_stats: dict | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(BaseModel):
+    """Non-streamed result and streamed chunk of ``/v1/completions`` (same object name)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    spec_stats: dict | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sparkgate"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -154,7 +154,8 @@ class LLMEngine:
             if n == seq.prompt_remaining:  # last chunk: its last row gives the first token
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
-        out = self.model.forward(torch.tensor(ids), spans, self.cache, torch.tensor(sample_rows))
+        rows = torch.tensor(sample_rows, dtype=torch.long) if sample_rows else None
+        out = self.model.forward(torch.tensor(ids), spans, self.cache, rows)
         self.forward_steps += 1
         for span, seq in zip(spans, plan.decode + [s for s, _ in plan.prefill]):
             seq.num_cached = span.start + span.num_new
@@ -188,7 +189,7 @@ class LLMEngine:
         if seq.status is SeqStatus.FINISHED:
             return
         if reason is not FinishReason.ABORT:
-            tail = seq.detok.flush()
+            tail = seq.detok.finish(reason).text
             if tail:
                 self.emit(seq.request_id, TextDelta(tail, 0, []))
         self._release(seq)

@@ -22,7 +22,7 @@ import logging
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -214,5 +214,7 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # the client is gone; nobody is left to tell
+            log.debug("client disconnected during an SSE response")
         finally:
             await close_events(self.body_iterator)

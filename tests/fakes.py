@@ -51,6 +51,7 @@ class FakeBackend:
     start_error: Exception | None = None
 
     requests: list[GenerationRequest] = field(default_factory=list)
+    templated: list[list[dict]] = field(default_factory=list)  # messages given to apply_chat_template
     aborted: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     started: bool = False
@@ -84,6 +85,7 @@ class FakeBackend:
         return [self._vocab.setdefault(w, len(self._vocab) + 1) for w in text.split()]
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        self.templated.append([dict(m) for m in messages])
         words: list[str] = []
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):

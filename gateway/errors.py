@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,10 +87,19 @@ def server_error(message: str, code: str | None = "engine_error") -> APIError:
     return APIError(500, message, SERVER_ERROR, None, code)
 
 
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def param_path(loc: tuple) -> str | None:
-    """Pydantic location → OpenAI-style param, e.g. ``('messages', 0, 'role')`` → ``messages[0].role``."""
+    """Pydantic location → OpenAI-style param, e.g. ``('messages', 0, 'role')`` → ``messages[0].role``.
+
+    Union-member tags pydantic inserts (``'str'``, ``'list[ContentPart]'``) are dropped.
+    """
     out = ""
     for part in loc:
+        if isinstance(part, str) and (not _FIELD.fullmatch(part) or part in _TYPE_TAGS):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:

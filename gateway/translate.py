@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from gateway.errors import invalid_request, model_not_found, unsupported
-from gateway.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from gateway.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, BaseCompletionRequest
 from runtime.interface import BackendInfo, GenerationRequest, SamplingParams
 
 # OpenAI role → role given to the chat template. "developer" is OpenAI's newer name for "system".
@@ -34,7 +34,7 @@ def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()
     raise model_not_found(requested)
 
 
-def _reject_common(body: _SamplingFields) -> None:
+def _reject_common(body: BaseCompletionRequest) -> None:
     if body.n is not None and body.n != 1:
         raise unsupported("n", "Only n=1 is supported.")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -149,7 +149,7 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def requested_max_tokens(body: _SamplingFields) -> int | None:
+def requested_max_tokens(body: BaseCompletionRequest) -> int | None:
     """``max_completion_tokens`` (newer alias, wins) or ``max_tokens``."""
     return getattr(body, "max_completion_tokens", None) or body.max_tokens
 
@@ -157,7 +157,7 @@ def requested_max_tokens(body: _SamplingFields) -> int | None:
 def generation_request(
     request_id: str,
     prompt_token_ids: list[int],
-    body: _SamplingFields,
+    body: BaseCompletionRequest,
     max_tokens: int,
     tenant: str | None,
     user_label: str | None,

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.core.security import Principal
 from gateway.formatters import Formatter
 from gateway.generation import SSEResponse, collect, sse_events, start_generation
-from gateway.schemas.openai import _SamplingFields
+from gateway.schemas.openai import BaseCompletionRequest
 from gateway.translate import completion_budget, generation_request, requested_max_tokens
 from runtime.interface import Backend, Finished
 
@@ -18,7 +18,7 @@ async def respond(
     request: Request,
     backend: Backend,
     principal: Principal,
-    body: _SamplingFields,
+    body: BaseCompletionRequest,
     prompt_ids: list[int],
     fmt: Formatter,
     prompt_param: str,

@@ -39,7 +39,7 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
-class _SamplingFields(_Request):
+class BaseCompletionRequest(_Request):
     """Fields shared by chat and legacy completions."""
 
     model: str
@@ -61,7 +61,7 @@ class _SamplingFields(_Request):
     logit_bias: Any = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(BaseCompletionRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: Any = None
@@ -73,7 +73,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Any = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(BaseCompletionRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's legacy default
     logprobs: Any = None

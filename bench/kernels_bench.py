@@ -142,6 +142,7 @@ def main() -> None:
         action="store_true",
         help="tiny shapes; on CPU with TRITON_INTERPRET=1 also runs the kernel path (tests this script)",
     )
+    ap.add_argument("--sweep", action="store_true", help="on CUDA also time block-size variants")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -177,15 +178,17 @@ def main() -> None:
         res["check_verify"] = check_verify(verify_chain_triton, dev, vcases)
         res["check_markov"] = check_markov(markov_sample_triton, dev, mcases)
         if cuda:
-            res["check_markov_tf32x3"] = optional(check_markov, markov_sample_triton, dev, mcases, precision="tf32x3")
+            res["check_markov_ieee"] = optional(check_markov, markov_sample_triton, dev, mcases, precision="ieee")
+            one = [(64, 1, 49152, 64, torch.float32)]  # one step: no cascade after a mismatch
+            res["check_markov_ieee_1step"] = optional(check_markov, markov_sample_triton, dev, one, precision="ieee")
         kv = lambda: verify_chain_triton(*vargs, max_len=L)  # noqa: E731
         km = lambda: markov_sample_triton(*margs)  # noqa: E731
-        km3 = lambda: markov_sample_triton(*margs, precision="tf32x3")  # noqa: E731
+        km3 = lambda: markov_sample_triton(*margs, precision="ieee")  # noqa: E731
         t = {
             "verify_triton_ms": timer(kv),
             "verify_reference_ms": timer(ref_v),
             "markov_triton_ms": timer(km),
-            "markov_triton_tf32x3_ms": optional(timer, km3) if cuda else None,
+            "markov_triton_ieee_ms": optional(timer, km3) if cuda else None,
             "markov_triton_bf16U_ms": timer(lambda: markov_sample_triton(*margs_bf16)),
             "markov_reference_ms": timer(ref_m),
             "markov_reference_bf16U_ms": timer(lambda: markov_sample_reference(*margs_bf16)),
@@ -194,7 +197,7 @@ def main() -> None:
             "markov_triton_graph_ms": graph(km),
             "markov_reference_graph_ms": graph(ref_m),
         }
-        if cuda:  # tunables: eager for verify (1 launch), graph replay for Markov (3γ launches)
+        if cuda and a.sweep:  # tunables: eager for verify (1 launch), graph replay for Markov (3γ launches)
             t["sweep_verify_ms"] = {
                 f"block_v={bv},warps={nw}": optional(timer, lambda bv=bv, nw=nw: verify_chain_triton(*vargs, max_len=L, block_v=bv, num_warps=nw))
                 for bv in (1024, 2048, 4096, 8192)

@@ -1,0 +1,689 @@
+"""The SGLang backend: :class:`runtime.interface.Backend` over SGLang 0.5.23's native API.
+
+Why the native ``POST /generate`` and not ``/v1/chat/completions``
+--------------------------------------------------------------------
+* The gateway already applies the chat template and tokenizes (it needs exact token
+  counts for context clamping and usage). ``/generate`` takes ``input_ids``, so SGLang
+  runs exactly the tokens we counted; the OpenAI endpoint would re-template on the
+  server and the counts could drift from ours.
+* Every streamed chunk carries ``meta_info`` (``id``, ``prompt_tokens``,
+  ``completion_tokens``, ``finish_reason``) and the final one the speculative-decoding
+  counters (``spec_verify_ct``, ``spec_num_correct_drafts``, …) with no extra flag; the
+  OpenAI endpoint only returns them with its ``return_spec_tokens_details`` extension.
+* ``rid``, ``priority`` and ``sampling_params.custom_params`` are first-class fields of
+  the request (``sglang/api/v1/api_types.py``: ``GenerateRequest`` line 236,
+  ``SamplingParams`` line 177 — unknown *sampling* keys are rejected with HTTP 400).
+
+Request (:func:`build_generate_payload`)
+----------------------------------------
+``rid`` = request id, ``input_ids`` = prompt tokens, ``stream`` = true, and
+``sampling_params``: ``temperature``, ``top_p``, ``top_k`` (our 0 → −1 "disabled";
+SGLang rejects 0), ``max_new_tokens`` (``None`` → ``max_context − len(prompt)``, because
+SGLang's default is 128), ``stop``, ``ignore_eos``, ``sampling_seed`` (= ``seed``;
+SGLang honours it only when the server runs with ``--enable-deterministic-inference``,
+``srt/sampling/sampling_batch_info.py``) and, when the tenant's tier has an SLA target,
+``custom_params`` = ``{"sparkgate_sla_target_tokens_per_s": target,
+"sparkgate_sla_max_weight": cap}`` (read by :mod:`runtime.sglang.plugin.sla_hook`
+inside SGLang). ``priority`` (larger = more important, negated with
+``priority_low_values_first``) is sent only with ``send_priority`` — the server must run
+with ``--enable-priority-scheduling``.
+
+Stream (``srt/entrypoints/http_server.py`` ``serve_generate_request``;
+``srt/managers/tokenizer_manager.py`` ``_handle_batch_output``)
+--------------------------------------------------------------------------------------
+SSE lines ``data: {"text", "output_ids", "meta_info"}`` then ``data: [DONE]``. With the
+server default (``incremental_streaming_output=False``) ``text``/``output_ids`` are
+cumulative; with ``--incremental-streaming-output`` they are deltas.
+:class:`StreamAssembler` auto-detects which from ``len(output_ids)`` versus
+``completion_tokens`` (or takes ``SGLangConfig.incremental_streaming_output``).
+Errors inside a stream arrive as ``data: {"error": {"message", "code", …}}``. SGLang
+trims a matched stop string only from the final chunk's *tail*
+(``detokenizer_manager.trim_matched_stop``), so a prefix of it may already have been
+streamed; the assembler holds back every text suffix that is a prefix of a stop string
+and cuts at the match, so the stop text is never returned (interface contract).
+
+Finish reasons: ``stop`` → STOP, ``length`` → LENGTH; ``abort`` with ``status_code``
+429/503 before any text → :class:`QueueFullError` (scheduler queue full), with another
+``status_code`` → ``Failed("upstream_rejected")``, without one → ``Finished(ABORT)``;
+any other type → ``Failed("upstream_protocol_error")``.
+
+Spec stats (:func:`spec_stats_from_meta`; ``tokenizer_manager._calculate_spec_decoding_metrics``)
+--------------------------------------------------------------------------------------------
+``rounds`` = ``spec_verify_ct`` (verify forwards); ``drafted`` =
+``spec_num_proposed_drafts`` (= rounds × (``speculative_num_draft_tokens`` − 1), γ per
+round); ``verified`` = Σ_k k·``spec_cap_lens_histogram[k]`` − rounds (DSpark ragged
+verify: the per-round verify length incl. the anchor), else
+round(``spec_cap_length``·rounds) − rounds, else ``drafted`` (static verify-all);
+``accepted`` = ``spec_num_correct_drafts`` (bonus excluded); ``emitted`` =
+``completion_tokens`` (SGLang's ``spec_accept_length`` = completion_tokens/verify_ct = τ);
+``accepted_per_position[j]`` = Σ_{k>j} ``spec_correct_drafts_histogram[k]`` (index k =
+drafts accepted in one round). Unlike the embedded engine, SGLang's counters include
+tokens later cut by a stop string.
+
+Errors and cancellation
+-----------------------
+Connection refused/timeout → that upstream is marked down and the next healthy one is
+tried (nothing was sent); none left → ``Failed("upstream_unavailable")``. HTTP 429/503 →
+next upstream; all busy → :class:`QueueFullError` (``Retry-After`` honoured). Other
+HTTP errors → ``Failed("upstream_error")``; a broken stream → ``Failed
+("upstream_disconnected")``; a malformed chunk → ``Failed("upstream_protocol_error")``;
+the wall-clock limit → ``Failed("timeout")``. Whenever the iterator ends before SGLang
+finished (client disconnect: ``aclose()`` or task cancellation; or one of the failures
+above) the HTTP stream is closed and ``POST /abort_request {"rid": …}``
+(``api_types.AbortRequest``, line 639) is sent to the same upstream — in a background
+task, so it also happens when the consumer's task is being cancelled.
+
+Timings are client-side (``time.monotonic()`` at chunk arrival; SGLang streams every
+``stream_interval`` steps, so first/last-token times have chunk granularity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import httpx
+
+from runtime.dspark.sla import DEFAULT_MAX_WEIGHT
+from runtime.interface import (
+    BackendInfo,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    LoadSnapshot,
+    QueueFullError,
+    RequestTimings,
+    SpecStats,
+    TextDelta,
+)
+from runtime.sglang.router import NoHealthyUpstream, Upstream, UpstreamRouter
+
+log = logging.getLogger(__name__)
+
+SLA_TARGET_KEY = "sparkgate_sla_target_tokens_per_s"
+SLA_MAX_WEIGHT_KEY = "sparkgate_sla_max_weight"
+BUSY_STATUS = (429, 503)
+
+
+@dataclass
+class SGLangConfig:
+    """Settings of the SGLang backend.
+
+    Attributes:
+        urls: SGLang server base URLs (one per server, or one sglang-router URL).
+        model_name: public model name reported to the gateway.
+        max_context: context length in tokens (must match the servers' ``--context-length``).
+        tokenizer_path: local dir (or hub id) of the served model's tokenizer; ``None`` →
+            the embedded model's converted cache (``runtime.models.loader.ensure_converted``).
+        eos_token_id: override; ``None`` → the tokenizer's.
+        api_key: the servers' ``--api-key`` (sent as ``Authorization: Bearer``).
+        send_priority: send ``priority`` (servers run ``--enable-priority-scheduling``).
+        priority_low_values_first: servers run ``--schedule-low-priority-values-first``
+            (then the priority is negated so larger still means more important).
+        sla_max_weight: weight cap sent with the SLA target (``sla_weight``'s ``max_weight``).
+        incremental_streaming_output: the servers' ``--incremental-streaming-output``;
+            ``None`` → detect per stream.
+        connect_timeout_s, read_timeout_s: httpx connect timeout and the longest silence
+            between two chunks (seconds).
+        request_timeout_s: default wall-clock limit per request (seconds).
+        health_path, health_interval_s, health_timeout_s: health probing (seconds).
+        max_in_flight_per_upstream: admission cap per server; beyond it on every healthy
+            server → :class:`QueueFullError`. ``None`` → no cap (SGLang queues).
+        retry_after_s: ``retry_after_s`` of a :class:`QueueFullError` without ``Retry-After``.
+        abort_timeout_s: timeout of the ``/abort_request`` call (seconds).
+    """
+
+    urls: tuple[str, ...] = ("http://127.0.0.1:30000",)
+    model_name: str = "SmolLM2-135M-Instruct"
+    max_context: int = 2048
+    tokenizer_path: str | None = None
+    eos_token_id: int | None = None
+    api_key: str | None = None
+    send_priority: bool = False
+    priority_low_values_first: bool = False
+    sla_max_weight: float = DEFAULT_MAX_WEIGHT
+    incremental_streaming_output: bool | None = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    health_path: str = "/health"
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 25.0
+    max_in_flight_per_upstream: int | None = None
+    retry_after_s: float = 1.0
+    abort_timeout_s: float = 5.0
+
+
+def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> dict[str, Any]:
+    """The JSON body of ``POST /generate`` for ``request`` (mapping in the module docstring).
+
+    Raises:
+        ValueError: the prompt already fills ``config.max_context``.
+    """
+    s = request.sampling
+    if s.max_tokens is not None:
+        max_new = int(s.max_tokens)
+    else:
+        max_new = config.max_context - len(request.prompt_token_ids)
+        if max_new < 1:
+            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room "
+                             f"in a {config.max_context}-token context")
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new,
+        "temperature": float(s.temperature),
+        "top_p": float(s.top_p),
+        "top_k": int(s.top_k) if s.top_k and s.top_k > 0 else -1,
+        "ignore_eos": bool(s.ignore_eos),
+    }
+    if s.stop:
+        sampling["stop"] = list(s.stop)
+    if s.seed is not None:
+        sampling["sampling_seed"] = int(s.seed)
+    if request.sla_target_tokens_per_s is not None:
+        sampling["custom_params"] = {
+            SLA_TARGET_KEY: float(request.sla_target_tokens_per_s),
+            SLA_MAX_WEIGHT_KEY: float(config.sla_max_weight),
+        }
+    payload: dict[str, Any] = {
+        "rid": request.request_id,
+        "input_ids": list(request.prompt_token_ids),
+        "sampling_params": sampling,
+        "stream": True,
+    }
+    if config.send_priority:
+        payload["priority"] = -int(request.priority) if config.priority_low_values_first else int(request.priority)
+    return payload
+
+
+def spec_stats_from_meta(meta: dict[str, Any]) -> SpecStats | None:
+    """:class:`SpecStats` from a final SGLang ``meta_info`` (mapping in the module
+    docstring); ``None`` when the server reported no speculative rounds."""
+    rounds = meta.get("spec_verify_ct")
+    if not isinstance(rounds, int) or rounds <= 0:
+        return None
+    drafted = int(meta.get("spec_num_proposed_drafts") or 0)
+    cap_hist = meta.get("spec_cap_lens_histogram")
+    if isinstance(cap_hist, list) and cap_hist:
+        verified = sum(k * int(n) for k, n in enumerate(cap_hist)) - rounds
+    elif isinstance(meta.get("spec_cap_length"), (int, float)):
+        verified = round(float(meta["spec_cap_length"]) * rounds) - rounds
+    else:
+        verified = drafted
+    hist = meta.get("spec_correct_drafts_histogram") or []
+    per_position = [sum(int(n) for n in hist[j + 1:]) for j in range(max(len(hist) - 1, 0))]
+    return SpecStats(
+        rounds=rounds,
+        drafted=drafted,
+        verified=max(verified, 0),
+        accepted=int(meta.get("spec_num_correct_drafts") or 0),
+        emitted=int(meta.get("completion_tokens") or 0),
+        accepted_per_position=per_position,
+    )
+
+
+class ProtocolError(ValueError):
+    """An SGLang chunk does not follow the 0.5.23 streaming protocol."""
+
+
+class StreamAssembler:
+    """Turns SGLang stream chunks into text deltas (cumulative or incremental chunks),
+    holding back text that could still become a stop string.
+
+    Args:
+        stop: the request's stop strings.
+        incremental: chunk mode; ``None`` → detect (the first chunk reads the same in
+            both modes; a later one is cumulative when ``len(output_ids) ==
+            completion_tokens``, incremental when it equals the new-token count, and
+            otherwise cumulative iff its text extends the text so far).
+    """
+
+    def __init__(self, stop: Sequence[str] = (), incremental: bool | None = None) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self.incremental = incremental
+        self.text = ""
+        self.ids: list[int] = []
+        self.completion_tokens = 0
+        self.chunks = 0
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.sent_ids = 0
+
+    def _is_incremental(self, text: str, ids: list | None, completion_tokens: int) -> bool:
+        if self.incremental is not None:
+            return self.incremental
+        if self.chunks == 0:
+            return False  # identical either way; decide on a later chunk
+        new = completion_tokens - self.completion_tokens
+        decided: bool | None = None
+        if ids is not None:
+            if len(ids) == completion_tokens and len(ids) != new:
+                decided = False
+            elif len(ids) == new and len(ids) != completion_tokens:
+                decided = True
+        if decided is None:
+            decided = not (text.startswith(self.text) and len(text) >= len(self.text))
+        self.incremental = decided
+        return decided
+
+    def feed(self, text: str, ids: list | None, completion_tokens: int) -> None:
+        """Add one chunk's ``text``, ``output_ids`` and ``meta_info.completion_tokens``.
+
+        Raises:
+            ProtocolError: a cumulative chunk that does not extend the text so far.
+        """
+        if self._is_incremental(text, ids, completion_tokens):
+            self.text += text
+            if ids:
+                self.ids.extend(ids)
+        else:
+            if not text.startswith(self.text):
+                raise ProtocolError("cumulative chunk text does not extend the previous text")
+            self.text = text
+            if ids is not None:
+                self.ids = list(ids)
+        self.completion_tokens = max(self.completion_tokens, completion_tokens)
+        self.chunks += 1
+
+    def _first_stop(self, matched: str | None) -> int | None:
+        stops = self.stop + ((matched,) if matched else ())
+        if not stops:
+            return None
+        longest = max(len(s) for s in stops)
+        start = max(0, self.sent_chars - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _holdback(self, stops: Sequence[str]) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop."""
+        best = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def release(self, final: bool = False, matched: str | None = None) -> TextDelta | None:
+        """The next delta, or ``None`` when nothing can be released yet.
+
+        With ``final`` everything left is released, cut at the first stop string or
+        ``matched`` (the stop string SGLang reports in ``finish_reason.matched``). When
+        ``matched`` is no longer in the text, SGLang trimmed it but kept the part it had
+        already streamed: that trailing prefix of ``matched`` is dropped too.
+        """
+        end = len(self.text)
+        cut = self._first_stop(matched if final else None)
+        if cut is not None:
+            end = cut
+        elif not final:
+            end -= self._holdback(self.stop)
+        elif matched:
+            end -= self._holdback((matched,))
+        end = max(end, self.sent_chars)
+        text = self.text[self.sent_chars:end]
+        if not text and not final:
+            return None
+        self.sent_chars = end
+        delta = TextDelta(text, self.completion_tokens - self.sent_tokens, self.ids[self.sent_ids:])
+        self.sent_tokens = self.completion_tokens
+        self.sent_ids = len(self.ids)
+        return delta if (text or delta.num_tokens) else None
+
+
+def load_tokenizer(path: str | None):
+    """``transformers.AutoTokenizer`` of ``path`` (``None`` → the converted embedded model)."""
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from runtime.models.loader import ensure_converted
+
+        path = str(ensure_converted())
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _error_message(body: bytes) -> str:
+    """Best-effort message from an SGLang/FastAPI error body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")[:500]
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail", data.get("message")))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return str(data)[:500]
+
+
+def _retry_after(resp: httpx.Response, default: float) -> float:
+    try:
+        return max(0.0, float(resp.headers.get("retry-after", default)))
+    except ValueError:
+        return default
+
+
+class _Busy(Exception):
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SGLangBackend:
+    """:class:`runtime.interface.Backend` streaming from SGLang servers (module docstring).
+
+    Args:
+        config: :class:`SGLangConfig`.
+        tokenizer: injected tokenizer (tests); loaded from ``config.tokenizer_path`` otherwise.
+        transport: injected httpx transport (tests).
+    """
+
+    def __init__(self, config: SGLangConfig, *, tokenizer: Any = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.router = UpstreamRouter(config.urls, health_path=config.health_path,
+                                     health_timeout_s=config.health_timeout_s)
+        self._tokenizer = tokenizer
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self.aborts_sent = 0
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the tokenizer, open the HTTP client, probe the upstreams once and start
+        the periodic health checks. Starting with no healthy upstream is allowed
+        (``ready()`` stays false until one answers)."""
+        if self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            transport=self._transport,
+            timeout=httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        healthy = await self.router.check_all(self._client)
+        if not healthy:
+            log.warning("no SGLang upstream is healthy yet: %s",
+                        {u.url: u.last_error for u in self.router.upstreams})
+        self._health_task = asyncio.create_task(
+            self.router.run(self._client, self.config.health_interval_s), name="sglang-health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.config.abort_timeout_s + 1)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def ready(self) -> bool:
+        return self._client is not None and self._tokenizer is not None and bool(self.router.healthy())
+
+    @property
+    def info(self) -> BackendInfo:
+        eos = self.config.eos_token_id
+        if eos is None:
+            eos = getattr(self._tokenizer, "eos_token_id", None)
+        return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0))
+
+    # -- tokenization (gateway side) ----------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    # -- load -----------------------------------------------------------------------
+    def load(self) -> LoadSnapshot:
+        """``running`` = our in-flight requests; ``waiting`` = SGLang-reported waiting
+        requests (``/v1/loads``, as of the last probe); ``max_batch`` = Σ SGLang
+        ``max_running_requests`` (else the admission cap × servers, else 0);
+        ``forward_steps`` = 0 (not observable from outside)."""
+        ups = self.router.upstreams
+        waiting = sum(u.server_waiting or 0 for u in ups if u.healthy)
+        max_batch = sum(u.server_max_running or 0 for u in ups if u.healthy)
+        if not max_batch and self.config.max_in_flight_per_upstream:
+            max_batch = self.config.max_in_flight_per_upstream * len(self.router.healthy())
+        return LoadSnapshot(sum(u.in_flight for u in ups), waiting, max_batch, 0)
+
+    # -- streaming ------------------------------------------------------------------
+    async def _open(self, payload: dict) -> tuple[Upstream, httpx.Response]:
+        """POST ``/generate`` to the least-loaded healthy upstream, failing over on
+        connection errors and busy answers. The returned upstream is acquired.
+
+        Raises:
+            QueueFullError: every reachable upstream is busy (429/503 or at its cap).
+            NoHealthyUpstream: none is reachable.
+            _Failure: a non-retryable HTTP error (carries the Failed event).
+        """
+        tried: list[Upstream] = []
+        busy: _Busy | None = None
+        cap = self.config.max_in_flight_per_upstream
+        while True:
+            try:
+                upstream = self.router.pick(exclude=tried)
+            except NoHealthyUpstream:
+                if busy is not None:
+                    raise QueueFullError(str(busy), busy.retry_after_s) from None
+                raise
+            tried.append(upstream)
+            if cap is not None and upstream.in_flight >= cap:
+                busy = _Busy(f"all SGLang upstreams are at {cap} in-flight requests", self.config.retry_after_s)
+                continue
+            self.router.acquire(upstream)
+            try:
+                req = self._client.build_request("POST", upstream.url + "/generate", json=payload)
+                resp = await self._client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                self.router.release(upstream)
+                self.router.mark_down(upstream, f"/generate: {type(exc).__name__}: {exc}")
+                continue
+            except BaseException:  # cancelled while waiting for the headers
+                self.router.release(upstream)
+                self._spawn(self._abandon(upstream, None, str(payload.get("rid")), abort=True))
+                raise
+            if resp.status_code == 200:
+                return upstream, resp
+            self.router.release(upstream)
+            try:
+                body = await resp.aread()
+            finally:
+                await resp.aclose()
+            message = f"SGLang {upstream.url} answered HTTP {resp.status_code}: {_error_message(body)}"
+            if resp.status_code in BUSY_STATUS:
+                busy = _Busy(message, _retry_after(resp, self.config.retry_after_s))
+                continue
+            raise _Failure(Failed(message, code="upstream_error"))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` as a task that outlives a cancelled caller (kept until done)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _abandon(self, upstream: Upstream, resp: httpx.Response | None, rid: str, abort: bool) -> None:
+        """Close the HTTP stream and, with ``abort``, ask SGLang to abort ``rid``."""
+        if resp is not None:
+            try:
+                await resp.aclose()
+            except Exception:  # noqa: BLE001
+                log.debug("closing the SGLang stream of %s failed", rid, exc_info=True)
+        if not abort or self._client is None:
+            return
+        try:
+            r = await self._client.post(upstream.url + "/abort_request", json={"rid": rid},
+                                        timeout=self.config.abort_timeout_s)
+            self.aborts_sent += 1
+            if r.status_code != 200:
+                log.warning("SGLang %s /abort_request %s → HTTP %s", upstream.url, rid, r.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("SGLang %s /abort_request %s failed: %s", upstream.url, rid, exc)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Stream ``request`` from SGLang (see the module docstring).
+
+        Raises:
+            QueueFullError: (before the first event) every upstream is busy.
+            RuntimeError: the backend was not started.
+        """
+        if self._client is None:
+            raise RuntimeError("SGLang backend not started")
+        timings = RequestTimings(wall_queued=time.time(), queued=time.monotonic())
+        deadline = timings.queued + (request.timeout_s or self.config.request_timeout_s)
+        rid = request.request_id
+        prompt_len = len(request.prompt_token_ids)
+        try:
+            payload = build_generate_payload(request, self.config)
+            upstream, resp = await self._open(payload)
+        except (ValueError, NoHealthyUpstream) as exc:
+            timings.finished = time.monotonic()
+            code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
+            yield Failed(str(exc), code=code, prompt_tokens=prompt_len, timings=timings)
+            return
+        except _Failure as exc:
+            timings.finished = time.monotonic()
+            exc.event.prompt_tokens, exc.event.timings = prompt_len, timings
+            yield exc.event
+            return
+        timings.started = time.monotonic()
+        asm = StreamAssembler(request.sampling.stop, self.config.incremental_streaming_output)
+        server_done = False
+        yielded = False
+        prompt_tokens = prompt_len
+
+        def failed(message: str, code: str) -> Failed:
+            timings.finished = time.monotonic()
+            return Failed(message, code=code, prompt_tokens=prompt_tokens,
+                          completion_tokens=asm.completion_tokens, timings=timings)
+
+        try:
+            lines = resp.aiter_lines()
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    async with asyncio.timeout(remaining):
+                        line = await lines.__anext__()
+                except StopAsyncIteration:
+                    yield failed(f"SGLang {upstream.url} closed the stream before the request finished",
+                                 "upstream_disconnected")
+                    return
+                except TimeoutError:
+                    yield failed(f"request exceeded its {deadline - timings.queued:.0f} s limit", "timeout")
+                    return
+                except httpx.HTTPError as exc:
+                    yield failed(f"SGLang {upstream.url} stream broke: {type(exc).__name__}: {exc}",
+                                 "upstream_disconnected")
+                    return
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    server_done = True
+                    yield failed(f"SGLang {upstream.url} ended the stream without a finish reason",
+                                 "upstream_protocol_error")
+                    return
+                try:
+                    chunk = json.loads(data)
+                    if not isinstance(chunk, dict):
+                        raise ProtocolError(f"chunk is a {type(chunk).__name__}, not an object")
+                    if "error" in chunk:
+                        server_done = True  # SGLang ends the stream after an error chunk
+                        err = chunk["error"]
+                        message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
+                        status = err.get("code") if isinstance(err, dict) else None
+                        if status in BUSY_STATUS and not yielded:
+                            raise QueueFullError(f"SGLang {upstream.url}: {message}", self.config.retry_after_s)
+                        yield failed(f"SGLang {upstream.url}: {message}", "upstream_error")
+                        return
+                    meta = chunk.get("meta_info")
+                    text = chunk.get("text", "")
+                    ids = chunk.get("output_ids")
+                    if not isinstance(meta, dict) or not isinstance(text, str):
+                        raise ProtocolError("chunk lacks meta_info or text")
+                    completion = meta.get("completion_tokens")
+                    if not isinstance(completion, int) or completion < 0:
+                        raise ProtocolError("meta_info.completion_tokens is not a non-negative integer")
+                    if ids is not None and not isinstance(ids, list):
+                        raise ProtocolError("output_ids is not a list")
+                    if isinstance(meta.get("prompt_tokens"), int):
+                        prompt_tokens = meta["prompt_tokens"]
+                    before = asm.completion_tokens
+                    asm.feed(text, ids, completion)
+                except ProtocolError as exc:
+                    yield failed(f"malformed chunk from SGLang {upstream.url}: {exc}", "upstream_protocol_error")
+                    return
+                except ValueError as exc:  # json.JSONDecodeError
+                    yield failed(f"malformed chunk from SGLang {upstream.url}: {exc}", "upstream_protocol_error")
+                    return
+                now = time.monotonic()
+                if asm.completion_tokens > before:
+                    if timings.first_token is None:
+                        timings.first_token = now
+                    timings.last_token = now
+                finish = meta.get("finish_reason")
+                if finish is None:
+                    delta = asm.release()
+                    if delta is not None:
+                        yielded = True
+                        yield delta
+                    continue
+                server_done = True
+                kind = finish.get("type") if isinstance(finish, dict) else None
+                if kind == "abort":
+                    status = finish.get("status_code")
+                    message = f"SGLang {upstream.url} aborted the request: {finish.get('message')}"
+                    if status in BUSY_STATUS and not yielded:
+                        raise QueueFullError(message, self.config.retry_after_s)
+                    if isinstance(status, int) and status >= 400:
+                        yield failed(message, "upstream_rejected")
+                        return
+                    reason = FinishReason.ABORT
+                elif kind == "stop":
+                    reason = FinishReason.STOP
+                elif kind == "length":
+                    reason = FinishReason.LENGTH
+                else:
+                    yield failed(f"unknown finish_reason {finish!r} from SGLang {upstream.url}",
+                                 "upstream_protocol_error")
+                    return
+                matched = finish.get("matched") if kind == "stop" else None
+                delta = asm.release(final=True, matched=matched if isinstance(matched, str) else None)
+                if delta is not None and delta.text:
+                    yielded = True
+                    yield delta
+                timings.finished = time.monotonic()
+                yield Finished(reason, prompt_tokens, asm.completion_tokens, timings, spec_stats_from_meta(meta))
+                return
+        finally:
+            self.router.release(upstream)
+            task = self._spawn(self._abandon(upstream, resp, rid, abort=not server_done))
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 — _abandon logs its own failures
+                pass
+
+
+class _Failure(Exception):
+    """A terminal :class:`Failed` found while opening the stream."""
+
+    def __init__(self, event: Failed) -> None:
+        super().__init__(event.message)
+        self.event = event

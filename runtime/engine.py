@@ -30,9 +30,11 @@ from runtime.interface import (
 )
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import MODEL_NAME, ensure_converted
+from runtime.dspark.verifier import spec_round
 from runtime.sampler import params_to_tensors, sample, warp_probs
 from runtime.scheduler import BatchScheduler, StepPlan
 from runtime.sequence import Sequence, SeqStatus
+from runtime.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class LLMEngine:
         self.lookahead = config.num_speculative_tokens + 1 if config.spec_method != "none" else 1
         self.cache = self.model.new_cache(config.max_batch_size, config.max_context + self.lookahead)
         self.scheduler = BatchScheduler(self.cache, config.max_step_tokens, config.prefill_chunk_tokens)
+        self.speculator = (
+            Speculator(config, self.model, config.max_batch_size, self.cache.max_len) if config.spec_method != "none" else None
+        )
         self.forward_steps = 0
         self._by_id: dict[str, Sequence] = {}
 
@@ -126,7 +131,7 @@ class LLMEngine:
     def step(self) -> None:
         """Run one engine step (one target forward). Failures fail only this step's requests."""
         self._expire_timeouts()
-        plan = self.scheduler.schedule(decode_tokens_per_seq=1)
+        plan = self.scheduler.schedule(decode_tokens_per_seq=self.lookahead)
         if plan.empty():
             return
         try:
@@ -137,35 +142,89 @@ class LLMEngine:
                 self._fail(seq, f"engine step failed: {type(exc).__name__}", "engine_error")
 
     def _run(self, plan: StepPlan) -> None:
+        """Build ONE ragged forward: decode spans ``[anchor, x_1..x_ℓ]`` then prefill chunks."""
+        spec = self.speculator
+        proposal = spec.propose(plan.decode) if (spec is not None and plan.decode) else None
         ids: list[int] = []
         spans: list[SeqSpan] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        for seq in plan.decode:
-            spans.append(SeqSpan(seq.slot, seq.num_cached, 1))
-            sample_rows.append(len(ids))
-            sample_seqs.append(seq)
+        for i, seq in enumerate(plan.decode):
+            drafts = proposal.tokens[i] if proposal is not None else []
+            spans.append(SeqSpan(seq.slot, seq.num_cached, 1 + len(drafts)))
             ids.append(seq.last_token)
+            ids.extend(drafts)
+        num_verify_rows = len(ids)
+        prefill_rows: list[int] = []  # last row of chunks that complete a prompt
+        prefill_done: list[Sequence] = []
         for seq, n in plan.prefill:
             if seq.timings.started is None:
                 seq.timings.started = time.monotonic()
+                if spec is not None:
+                    spec.start_sequence(seq.slot)
             spans.append(SeqSpan(seq.slot, seq.num_cached, n))
             ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
-            if n == seq.prompt_remaining:  # last chunk: its last row gives the first token
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
-        rows = torch.tensor(sample_rows, dtype=torch.long) if sample_rows else None
-        out = self.model.forward(torch.tensor(ids), spans, self.cache, rows)
+            if n == seq.prompt_remaining:
+                prefill_rows.append(len(ids) - 1)
+                prefill_done.append(seq)
+        rows = list(range(num_verify_rows)) + prefill_rows
+        taps = spec.tap_layers if spec is not None else ()
+        out = self.model.forward(
+            torch.tensor(ids), spans, self.cache, torch.tensor(rows, dtype=torch.long) if rows else None, taps
+        )
         self.forward_steps += 1
-        for span, seq in zip(spans, plan.decode + [s for s, _ in plan.prefill]):
+        for span, seq in zip(spans[len(plan.decode) :], [s for s, _ in plan.prefill]):
             seq.num_cached = span.start + span.num_new
-        if sample_seqs:
-            temp, top_k, top_p = params_to_tensors([s.request.sampling for s in sample_seqs])
-            probs = warp_probs(out.logits, temp, top_k, top_p)
-            tokens = sample(probs, [s.generator for s in sample_seqs]).tolist()
-            for seq, tok in zip(sample_seqs, tokens):
+        if spec is not None and plan.prefill:
+            spec.extend_context(
+                out.taps[num_verify_rows:] if out.taps is not None else None,
+                [s.slot for s, _ in plan.prefill],
+                [n for _, n in plan.prefill],
+            )
+        if plan.decode:
+            self._verify(plan.decode, proposal, out, num_verify_rows)
+        if prefill_done:
+            logits = out.logits[num_verify_rows:]
+            temp, top_k, top_p = params_to_tensors([s.request.sampling for s in prefill_done])
+            tokens = sample(warp_probs(logits, temp, top_k, top_p), [s.generator for s in prefill_done]).tolist()
+            for seq, tok in zip(prefill_done, tokens):
                 seq.status = SeqStatus.DECODE
                 self._append_tokens(seq, [tok])
+
+    def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int) -> None:
+        """Accept/reject drafts (standard speculative sampling), commit caches, emit."""
+        temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
+        if proposal is None:  # autoregressive: every request verifies just its anchor (ℓ = 0)
+            lengths, draft_probs = [0] * len(seqs), out.logits.new_zeros(0, out.logits.shape[-1])
+            draft_tokens = torch.zeros(0, dtype=torch.long)
+        else:
+            lengths, draft_probs = proposal.lengths, proposal.probs
+            draft_tokens = torch.tensor([t for ts in proposal.tokens for t in ts], dtype=torch.long)
+        res = spec_round(
+            out.logits[:num_rows], draft_probs, draft_tokens, lengths,
+            [s.num_cached for s in seqs], temp, top_k, top_p, [s.generator for s in seqs],
+        )  # fmt: skip
+        for seq, keep in zip(seqs, res.keep_target):
+            self.cache.truncate(seq.slot, keep)
+            seq.num_cached = keep
+        if self.speculator is not None:
+            self.speculator.commit(seqs, out.taps[:num_rows] if out.taps is not None else None, res.commit_rows, res.commit_counts)
+        accepted = res.verify.accepted.tolist()
+        for i, (seq, ell, acc, toks) in enumerate(zip(seqs, lengths, accepted, res.tokens)):
+            kept = self._append_tokens(seq, toks)
+            if proposal is not None:
+                self._count_spec(seq, proposal.drafted[i], ell, min(acc, kept), kept)
+
+    def _count_spec(self, seq: Sequence, drafted: int, verified: int, accepted: int, emitted: int) -> None:
+        """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted."""
+        st = seq.spec
+        st.rounds += 1
+        st.drafted += drafted
+        st.verified += verified
+        st.accepted += accepted
+        st.emitted += emitted
+        if len(st.accepted_per_position) < self.speculator.gamma:
+            st.accepted_per_position.extend([0] * (self.speculator.gamma - len(st.accepted_per_position)))
+        for j in range(accepted):
+            st.accepted_per_position[j] += 1
 
     # -- postprocess --------------------------------------------------------
     def _append_tokens(self, seq: Sequence, new_tokens: list[int]) -> int:

@@ -202,8 +202,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, spans, slot_idx, positions, masks) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, spans, slot_idx, positions, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """``x``: the fp32 residual stream ``[T, d]``; sublayers run in the weights' dtype."""
+        dt = self.mlp.down_proj.weight.dtype
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, cache, spans, slot_idx, positions, masks).float()
+        return x + self.mlp(self.post_attention_layernorm(x).to(dt)).float()
 
 
 @dataclass
@@ -213,7 +215,7 @@ class ForwardOutput:
     Attributes:
         logits: fp32 ``[R, vocab]`` for the requested rows (``logits_rows``), or
             ``None`` if no rows were requested.
-        taps: ``[T, len(tap_layers), hidden]`` in the model dtype — the output of
+        taps: ``[T, len(tap_layers), hidden]`` fp32 (the residual stream) — the output of
             each tapped decoder layer (= transformers' ``hidden_states[i + 1]``),
             or ``None`` if no taps were requested.
         hidden: final normed hidden states ``[T, hidden]`` (model dtype).
@@ -304,7 +306,10 @@ class LlamaModel(nn.Module):
         masks = self.causal_masks(spans, device)
         cos, sin = self.rotary.tables(positions, self.dtype)
 
-        x = self.embed_tokens(input_ids)
+        # The residual stream is kept in fp32 (only matmul inputs are cast to the serving
+        # dtype): in bf16 this keeps verification forwards (1+ℓ tokens) and single-token
+        # decode numerically much closer, at negligible cost for elementwise ops.
+        x = self.embed_tokens(input_ids).float()
         taps: list[torch.Tensor] = []
         tap_set = {i: j for j, i in enumerate(tap_layers)}
         for i, layer in enumerate(self.layers):
@@ -314,7 +319,7 @@ class LlamaModel(nn.Module):
         for s in spans:
             cache.lengths[s.slot] = s.start + s.num_new
 
-        hidden = self.norm(x)
+        hidden = self.norm(x).to(self.dtype)
         logits = self.lm_head(hidden[logits_rows]) if logits_rows is not None else None
         tap_tensor = torch.stack([taps[tap_set[i]] for i in tap_layers], dim=1) if tap_layers else None
         return ForwardOutput(logits=logits, taps=tap_tensor, hidden=hidden)

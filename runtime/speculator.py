@@ -1,0 +1,182 @@
+"""The draft side of speculative decoding, as the engine drives it.
+
+One :class:`Speculator` owns the draft model (DSpark drafter, its rank-0
+parallel-only ablation, or the prompt-lookup n-gram baseline), the drafter's
+context cache and the verification-budget policy (paper Alg. 1 + SLA weights,
+:mod:`runtime.dspark.scheduler`). Per engine step it
+
+1. :meth:`propose` s a block of γ draft tokens for every decoding sequence and
+   decides how many of them (ℓ_r) the target verifies, and
+2. after the target's ONE ragged verification forward, :meth:`commit` s the
+   outcome of :func:`runtime.dspark.verifier.spec_round` to the drafter's
+   context cache (anchor + accepted drafts; rejected ones are never committed).
+
+Invariant while a sequence decodes (see ``spec_round``'s docstring):
+``draft_cache.lengths[slot] == target_cache.lengths[slot] == p`` where p is the
+anchor's position — the anchor is committed but not yet processed by the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.dspark.prompt_lookup import propose_ngram
+from runtime.dspark.scheduler import schedule
+from runtime.dspark.sla import sla_weight
+from runtime.dspark.sps import SpsTable
+from runtime.models.llama import LlamaModel
+from runtime.sampler import params_to_tensors
+from runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup")
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "dspark" / "checkpoints" / "default"
+
+
+def fallback_sps_table() -> SpsTable:
+    """An SPS table used until a profiled one exists (``sparkgate profile``).
+
+    Shape measured once on the 2-core CPU dev machines for this model in bf16: a
+    round costs about the same for 1..8 verification tokens, then grows roughly
+    linearly (compute-bound). Replace it with a profiled table for real serving.
+    """
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+    sps = [30.0, 29.5, 29.0, 27.0, 20.0, 12.0, 6.5, 3.4]
+    return SpsTable(buckets, [512], [sps], note="fallback: illustrative CPU shape, not profiled")
+
+
+@dataclass
+class Proposal:
+    """Draft tokens chosen for verification this step.
+
+    Attributes:
+        lengths: ℓ_r per decoding sequence (0 → plain decode of the anchor).
+        drafted: draft tokens proposed per sequence (γ, or fewer for prompt lookup).
+        tokens: per sequence, its ℓ_r draft tokens x_1..x_ℓ.
+        probs: fp32 ``[Σ ℓ_r, V]`` p_d rows of those tokens (requests in order).
+        gamma: drafted block size γ this step.
+    """
+
+    lengths: list[int]
+    drafted: list[int]
+    tokens: list[list[int]]
+    probs: torch.Tensor
+    gamma: int
+
+
+class Speculator:
+    """Draft model + context cache + verification-budget policy.
+
+    Args:
+        config: engine config (``spec_method``, ``spec_policy``, ``draft_checkpoint``,
+            ``num_speculative_tokens`` = γ served).
+        target: the target model (the drafter shares its embeddings and LM head).
+        num_slots, max_len: geometry of the target KV cache (slot ids are shared).
+        sps_table: SPS table for the ``dspark`` policies (fallback table if ``None``).
+
+    Raises:
+        ValueError: unknown ``spec_method``/``spec_policy``.
+    """
+
+    def __init__(self, config: EngineConfig, target: LlamaModel, num_slots: int, max_len: int, sps_table: SpsTable | None = None) -> None:
+        if config.spec_method not in SPEC_METHODS or config.spec_method == "none":
+            raise ValueError(f"spec_method must be one of {SPEC_METHODS[1:]}, got {config.spec_method!r}")
+        self.method = config.spec_method
+        self.vocab_size = target.cfg.vocab_size
+        self.drafter = None
+        self.dcache = None
+        if self.method in ("dspark", "parallel"):
+            self.drafter = self._load_drafter(config, target)
+            self.dcache = self.drafter.new_context_cache(num_slots, max_len)
+            self.gamma = min(config.num_speculative_tokens, self.drafter.block_size)
+        else:
+            self.gamma = config.num_speculative_tokens
+        # The parallel-only ablation and prompt lookup have no calibrated confidence
+        # worth scheduling on: they verify their whole block.
+        self.policy = config.spec_policy if self.method == "dspark" else "fixed"
+        self.sps_table = sps_table or fallback_sps_table()
+
+    @staticmethod
+    def _load_drafter(config: EngineConfig, target: LlamaModel):
+        from runtime.dspark.checkpoint import load_drafter
+        from runtime.dspark.config import DrafterConfig
+        from runtime.dspark.drafter import DSparkDrafter
+
+        path = Path(config.draft_checkpoint) if config.draft_checkpoint else DEFAULT_CHECKPOINT
+        rank0 = config.spec_method == "parallel"
+        if (path / "config.json").exists():
+            drafter = load_drafter(path, target)
+            if rank0 != (drafter.cfg.markov_rank == 0):
+                raise ValueError(f"checkpoint {path} has markov_rank {drafter.cfg.markov_rank}; spec_method {config.spec_method}")
+            log.info("loaded drafter %s", path)
+            return drafter
+        log.warning("no drafter checkpoint at %s: using a RANDOMLY initialised drafter (lossless, low acceptance)", path)
+        cfg = DrafterConfig(block_size=max(config.num_speculative_tokens, 1), markov_rank=0 if rank0 else 64, init_seed=config.seed)
+        return DSparkDrafter(target, cfg)
+
+    # -- target-forward needs ------------------------------------------------------
+    @property
+    def tap_layers(self) -> list[int]:
+        """Target layers whose hidden states the drafter needs from every forward."""
+        return self.drafter.tap_layers if self.drafter is not None else []
+
+    def start_sequence(self, slot: int) -> None:
+        if self.dcache is not None:
+            self.dcache.reset(slot)
+
+    def extend_context(self, taps: torch.Tensor | None, slots: Seq[int], counts: Seq[int]) -> None:
+        """Commit target taps ``[Σ counts, m, d]`` of newly cached positions."""
+        if self.drafter is not None and taps is not None and sum(counts) > 0:
+            self.drafter.extend_context(self.dcache, taps, slots, counts)
+
+    # -- propose -------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence]) -> Proposal:
+        """Draft γ tokens for each decoding sequence and pick ℓ_r (paper Alg. 1)."""
+        if self.drafter is None:
+            return self._propose_ngram(seqs)
+        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
+        slots = [s.slot for s in seqs]
+        temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
+        blk = self.drafter.propose(anchors, slots, self.dcache, block_size=self.gamma)
+        ds = self.drafter.sample_block(blk, anchors, temp, top_k, top_p, [s.generator for s in seqs])
+        weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
+        ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
+        plan = schedule(self.policy, ds.confidence, self.sps_table, weights=weights, context_len=ctx)
+        lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
+        tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
+        probs = torch.cat([ds.probs[i, :l] for i, l in enumerate(lengths)]) if seqs else ds.probs.new_zeros(0, self.vocab_size)
+        return Proposal(lengths, [self.gamma] * len(seqs), tokens, probs, self.gamma)
+
+    def _propose_ngram(self, seqs: list[Sequence]) -> Proposal:
+        tokens, drafted = [], []
+        for s in seqs:
+            prop = propose_ngram(s.token_ids, self.gamma)
+            drafted.append(len(prop))
+            tokens.append(prop[: self._room(s)])
+        lengths = [len(t) for t in tokens]
+        flat = [t for ts in tokens for t in ts]
+        probs = torch.zeros(len(flat), self.vocab_size)
+        if flat:
+            probs[torch.arange(len(flat)), torch.tensor(flat)] = 1.0
+        return Proposal(lengths, drafted, tokens, probs, self.gamma)
+
+    @staticmethod
+    def _room(seq: Sequence) -> int:
+        """Drafts worth verifying: never more than the tokens the request may still emit − 1.
+
+        Depends only on state fixed before the step, so it keeps ℓ_r a stopping time.
+        """
+        return max(0, seq.max_tokens - seq.num_completion - 1)
+
+    # -- commit --------------------------------------------------------------------
+    def commit(self, seqs: list[Sequence], verify_taps: torch.Tensor | None, commit_rows: torch.Tensor, commit_counts: list[int]) -> None:
+        """Append the anchor + accepted drafts' taps to the draft context (Alg.: commit)."""
+        if self.drafter is not None and verify_taps is not None:
+            self.drafter.extend_context(self.dcache, verify_taps[commit_rows], [s.slot for s in seqs], commit_counts)

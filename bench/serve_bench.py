@@ -155,7 +155,7 @@ def start_server(port: int, env_extra: dict) -> tuple[subprocess.Popen, str, str
     ).stdout
     key = next(w for w in out.split() if w.startswith("sk-"))
     proc = subprocess.Popen(
-        [py, "-m", "uvicorn", "gateway.main:app_from_env", "--factory", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        [py, "-m", "uvicorn", "gateway.main:create_app", "--factory", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         env=env, cwd=ROOT,
     )
     base = f"http://127.0.0.1:{port}"

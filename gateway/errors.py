@@ -72,6 +72,11 @@ def unauthorized(message: str) -> APIError:
     return APIError(401, message, AUTHENTICATION, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
+def forbidden(message: str = "This route needs the admin token; tenant API keys cannot use it.") -> APIError:
+    """403 ``permission_error`` (a valid key without the right to this route)."""
+    return APIError(403, message, "permission_error", None, "insufficient_permissions")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
                     INVALID_REQUEST, "model", "model_not_found")

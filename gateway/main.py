@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from gateway.api.routes import chat, completions, health, models
+from gateway.api.routes import chat, completions, engine, health, models
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.started_at = int(time.time())
 
     install_error_handlers(app)
-    for router in (health.router, models.router, chat.router, completions.router):
+    for router in (health.router, models.router, chat.router, completions.router, engine.router):
         app.include_router(router)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],

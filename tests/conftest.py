@@ -45,3 +45,84 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# -- one live server per pytest session (real model, uvicorn, SQLite) ------------------
+
+class LiveServer:
+    def __init__(self, base_url: str, key: str, admin_token: str, database_url: str, proc):
+        self.base_url = base_url
+        self.key = key
+        self.admin_token = admin_token
+        self.database_url = database_url
+        self.proc = proc
+
+    def headers(self, key: str | None = None) -> dict:
+        return {"Authorization": f"Bearer {key or self.key}"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, model_dir):
+    """The real gateway + embedded engine (fp32, AR) under uvicorn in a subprocess.
+
+    Shared by every end-to-end test module (start-up costs a few seconds)."""
+    import subprocess
+    import time
+
+    import httpx
+
+    from gateway.crud.keys import issue_key
+    from gateway.db.migrate import upgrade
+
+    tmp = tmp_path_factory.mktemp("live")
+    db_url = f"sqlite+aiosqlite:///{tmp}/live.db"
+    upgrade(db_url)
+    import asyncio
+
+    key = asyncio.run(issue_key(db_url, "e2e-tenant", user_label="e2e-user"))
+    admin = "admin-" + os.urandom(16).hex()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "SPARKGATE_DATABASE_URL": db_url,
+        "SPARKGATE_ADMIN_TOKEN": admin,
+        "SPARKGATE_DTYPE": "float32",
+        "SPARKGATE_MAX_BATCH_SIZE": "16",
+        "SPARKGATE_MAX_CONTEXT": "2048",
+        "SPARKGATE_SPEC_METHOD": "none",
+        "PYTHONPATH": str(ROOT),
+    }
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "gateway.main:create_app", "--factory", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"],
+        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not become ready in 180 s")
+        time.sleep(0.3)
+    yield LiveServer(base, key, admin, db_url, proc)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

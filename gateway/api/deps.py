@@ -14,7 +14,7 @@ from gateway.core.config import Settings
 from gateway.core.security import AuthCache, Principal, key_digest
 from gateway.crud import keys as crud_keys
 from gateway.db.models import utcnow
-from gateway.errors import from_validation_error, invalid_request, unauthorized
+from gateway.errors import forbidden, from_validation_error, invalid_request, unauthorized
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from runtime.interface import Backend
 
@@ -67,6 +67,16 @@ async def require_principal(request: Request) -> Principal:
 
 
 CurrentPrincipal = Annotated[Principal, Depends(require_principal)]
+
+
+async def require_admin(principal: CurrentPrincipal) -> Principal:
+    """The admin token only; a valid tenant key gets 403."""
+    if not principal.is_admin:
+        raise forbidden()
+    return principal
+
+
+AdminPrincipal = Annotated[Principal, Depends(require_admin)]
 
 
 async def read_json_object(request: Request) -> dict:

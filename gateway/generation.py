@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import APIError, SERVER_ERROR, error_body, overloaded, server_error
 from gateway.formatters import Formatter
+from gateway.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
 from runtime.interface import Backend, Event, Failed, Finished, FinishReason, GenerationRequest, QueueFullError, TextDelta
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,17 @@ class EventStream:
         await close_events(self._events)
 
 
-async def start_generation(backend: Backend, gen_request: GenerationRequest, request: Request) -> EventStream:
+async def start_generation(
+    backend: Backend,
+    gen_request: GenerationRequest,
+    request: Request,
+    ctx: RequestContext | None = None,
+    observers: Sequence[RequestObserver] = (),
+) -> EventStream:
     """Submit ``gen_request`` and wait for its first event (see module docstring).
+
+    With ``ctx``, the event stream is wrapped by :func:`gateway.observe.observed`, so
+    every observer sees this request's outcome exactly once (also when it is rejected).
 
     Raises:
         APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 500 when
@@ -124,7 +134,15 @@ async def start_generation(backend: Backend, gen_request: GenerationRequest, req
         raise overloaded("The model is still loading; try again shortly.", 5.0, code="model_not_ready")
     events: AsyncIterator[Event] | None = None
     try:
-        events = backend.generate(gen_request)
+        try:
+            events = backend.generate(gen_request)
+        except QueueFullError as exc:  # refused before any stream existed: still one outcome
+            if ctx is not None:
+                notify(observers, RequestOutcome(ctx, REJECTED, error_code="queue_full", error_message=str(exc),
+                                                 prompt_tokens=ctx.prompt_tokens))
+            raise
+        if ctx is not None:
+            events = observed(events, ctx, observers)
         first = await unless_disconnected(request, events.__anext__)
     except BaseException as exc:
         if events is not None:
@@ -169,7 +187,6 @@ async def sse_events(
     stream: EventStream,
     fmt: Formatter,
     include_usage: bool,
-    on_finished: Callable[[Finished], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Streaming: SSE bytes of the whole response (role chunk, one chunk per non-empty
     delta, finish chunk, optional usage chunk, ``[DONE]``)."""
@@ -181,8 +198,6 @@ async def sse_events(
                 if event.text:
                     yield sse(fmt.delta(event.text))
             elif is_normal_finish(event):
-                if on_finished is not None:
-                    on_finished(event)
                 yield sse(fmt.finish(event))
                 if include_usage:
                     yield sse(fmt.usage_chunk(event))

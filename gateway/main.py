@@ -81,6 +81,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.sessionmaker = make_sessionmaker(app.state.db_engine)
     app.state.auth_cache = AuthCache(ttl_s=settings.auth_cache_ttl_s)
     app.state.stats = RollingStats()
+    app.state.observers = [app.state.stats]  # gateway.observe: every request's outcome, once
     app.state.started_at = int(time.time())
 
     install_error_handlers(app)

@@ -63,9 +63,17 @@ class RollingStats:
         self._t0 = clock()
         self._records: deque[_Record] = deque()
 
+    def request_ended(self, outcome) -> None:
+        """:class:`gateway.observe.RequestObserver` hook: record finished requests."""
+        if outcome.status == "finished":
+            self._append(outcome.completion_tokens, outcome.decode_tokens_per_s, outcome.ctx.tenant)
+
     def record(self, finished: Finished, tenant: str | None = None) -> None:
+        self._append(finished.completion_tokens, finished.decode_tokens_per_s, tenant)
+
+    def _append(self, completion_tokens: int, tokens_per_s: float | None, tenant: str | None) -> None:
         now = self._clock()
-        self._records.append(_Record(now, finished.completion_tokens, finished.decode_tokens_per_s, tenant))
+        self._records.append(_Record(now, completion_tokens, tokens_per_s, tenant))
         while self._records and self._records[0].t_end < now - self.horizon_s:
             self._records.popleft()
 

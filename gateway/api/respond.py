@@ -9,9 +9,10 @@ from fastapi.responses import JSONResponse, Response
 from gateway.core.security import Principal
 from gateway.formatters import Formatter
 from gateway.generation import SSEResponse, collect, sse_events, start_generation
+from gateway.observe import RequestContext
 from gateway.schemas.openai import BaseCompletionRequest
 from gateway.translate import completion_budget, generation_request, requested_max_tokens
-from runtime.interface import Backend, Finished
+from runtime.interface import Backend
 
 
 async def respond(
@@ -32,14 +33,21 @@ async def respond(
     max_tokens = completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param)
     gen_request = generation_request(fmt.id, prompt_ids, body, max_tokens, principal.tenant,
                                      principal.user_label, state.settings.request_timeout_s)
-    stream = await start_generation(backend, gen_request, request)
-
-    def record(finished: Finished) -> None:
-        state.stats.record(finished, principal.tenant)
-
+    ctx = RequestContext(
+        request_id=fmt.id,
+        endpoint=prompt_param == "messages" and "chat" or "completions",
+        model=fmt.model,
+        stream=bool(body.stream),
+        prompt_tokens=len(prompt_ids),
+        max_tokens=max_tokens,
+        tenant=principal.tenant,
+        user=gen_request.user,
+        key_id=principal.key_id,
+        sla_target_tokens_per_s=gen_request.sla_target_tokens_per_s,
+    )
+    stream = await start_generation(backend, gen_request, request, ctx, state.observers)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(sse_events(stream, fmt, include_usage, record))
+        return SSEResponse(sse_events(stream, fmt, include_usage))
     text, finished = await collect(stream, request)
-    record(finished)
     return JSONResponse(fmt.complete(text, finished))

@@ -1,0 +1,161 @@
+"""Request lifecycle observers: one place where every generation's outcome is seen.
+
+:func:`observed` wraps the backend's event stream of one request. Whatever happens —
+a normal finish, an engine failure, the client going away (the stream is closed
+before a terminal event), a full queue — each registered :class:`RequestObserver`
+gets exactly one :meth:`~RequestObserver.request_ended` call with a
+:class:`RequestOutcome`. The DB request-record writer, the Prometheus metrics and
+the in-process rolling stats are all observers (``app.state.observers``), so they
+can never disagree about which requests happened.
+
+Observers run on the event loop and must not block: enqueue and return.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+from runtime.interface import (
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    QueueFullError,
+    RequestTimings,
+    SpecStats,
+    decode_tokens_per_s,
+)
+
+log = logging.getLogger(__name__)
+
+FINISHED, FAILED, CANCELLED, REJECTED = "finished", "failed", "cancelled", "rejected"
+
+
+@dataclass
+class RequestContext:
+    """Who asked for what (fixed when the request is submitted to the backend).
+
+    Attributes:
+        request_id: the response id (``chatcmpl-…`` / ``cmpl-…``).
+        endpoint: ``"chat"`` or ``"completions"``.
+        tenant, user: tenant name; the OpenAI ``user`` field or the key's user label.
+        key_id: DB id of the API key (``None`` for the admin token).
+        tier: SLA tier name, when tiers are configured.
+        sla_target_tokens_per_s: the tier's per-user decode target, if any.
+        received_wall: ``time.time()`` when the gateway submitted it (seconds).
+    """
+
+    request_id: str
+    endpoint: str
+    model: str
+    stream: bool
+    prompt_tokens: int
+    max_tokens: int
+    tenant: str | None = None
+    user: str | None = None
+    key_id: int | None = None
+    tier: str | None = None
+    sla_target_tokens_per_s: float | None = None
+    received_wall: float = field(default_factory=time.time)
+    received_mono: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RequestOutcome:
+    """How one request ended.
+
+    Attributes:
+        status: ``finished`` (stop/length), ``failed`` (engine error/timeout),
+            ``cancelled`` (client went away), ``rejected`` (queue full, never ran).
+        finish_reason: ``stop``/``length`` for finished requests.
+        error_code, error_message: for failed/rejected ones.
+        completion_tokens: tokens emitted (for cancelled ones: emitted before the abort).
+        timings: the engine's monotonic timestamps (``None`` when it never ran).
+        spec: speculative-decoding stats (``None`` without speculation).
+        ended_mono: ``time.monotonic()`` when the gateway saw the end.
+    """
+
+    ctx: RequestContext
+    status: str
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: RequestTimings | None = None
+    spec: SpecStats | None = None
+    ended_mono: float = field(default_factory=time.monotonic)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The project's one definition (``runtime.interface.decode_tokens_per_s``)."""
+        t = self.timings
+        return decode_tokens_per_s(self.completion_tokens, t and t.first_token, t and t.last_token)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, seconds, from the engine receiving the request."""
+        t = self.timings
+        return None if t is None or t.first_token is None else t.first_token - t.queued
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds the request waited before its prefill began."""
+        t = self.timings
+        return None if t is None or t.started is None else t.started - t.queued
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ended_mono - self.ctx.received_mono
+
+
+class RequestObserver(Protocol):
+    def request_ended(self, outcome: RequestOutcome) -> None:
+        """Called exactly once per submitted request. Must not block or raise."""
+        ...
+
+
+def notify(observers: Sequence[RequestObserver], outcome: RequestOutcome) -> None:
+    for obs in observers:
+        try:
+            obs.request_ended(outcome)
+        except Exception:  # an observer bug must never break serving
+            log.exception("request observer %r failed", obs)
+
+
+async def observed(
+    events: AsyncIterator[Event], ctx: RequestContext, observers: Sequence[RequestObserver]
+) -> AsyncIterator[Event]:
+    """Yield ``events`` unchanged; report the outcome to ``observers`` exactly once."""
+    outcome = RequestOutcome(ctx, CANCELLED, prompt_tokens=ctx.prompt_tokens)
+    emitted = 0
+    try:
+        async for event in events:
+            if isinstance(event, Finished):
+                if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    outcome.status, outcome.finish_reason = FINISHED, event.finish_reason.value
+                else:
+                    outcome.status = CANCELLED if event.finish_reason is FinishReason.ABORT else FAILED
+                outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
+                outcome.timings, outcome.spec = event.timings, event.spec
+            elif isinstance(event, Failed):
+                outcome.status, outcome.error_code, outcome.error_message = FAILED, event.code, event.message
+                outcome.completion_tokens = event.completion_tokens
+                outcome.timings = event.timings
+            else:
+                emitted += event.num_tokens
+                outcome.completion_tokens = emitted
+            yield event
+    except QueueFullError as exc:
+        outcome.status, outcome.error_code, outcome.error_message = REJECTED, "queue_full", str(exc)
+        raise
+    except Exception as exc:
+        outcome.status, outcome.error_code, outcome.error_message = FAILED, "internal_error", repr(exc)
+        raise
+    finally:
+        await events.aclose() if hasattr(events, "aclose") else None
+        outcome.ended_mono = time.monotonic()
+        notify(observers, outcome)

@@ -24,6 +24,7 @@ from runtime.interface import (
     GenerationRequest,
     LoadSnapshot,
     QueueFullError,
+    SpecInfo,
 )
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,12 @@ class AsyncEngine:
         if e is None:
             return LoadSnapshot(0, 0, self.config.max_batch_size, 0)
         return LoadSnapshot(e.num_running, e.num_waiting + self._pending_adds, self.config.max_batch_size, e.forward_steps)
+
+    def spec_info(self) -> SpecInfo:
+        spec = self.engine.speculator if self.engine is not None else None
+        if spec is None:
+            return SpecInfo(method="none")
+        return SpecInfo(spec.method, spec.policy, spec.gamma, spec.sps_table.to_dict())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         if self.engine is None:

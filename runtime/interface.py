@@ -209,6 +209,25 @@ class LoadSnapshot:
     forward_steps: int  # engine counter: target forward passes since start
 
 
+@dataclass
+class SpecInfo:
+    """How the backend speculates (for ``/admin`` endpoints and metrics).
+
+    Attributes:
+        method: ``none``, ``dspark``, ``parallel``, ``prompt_lookup`` (or ``sglang``).
+        policy: verification-budget policy (``fixed``, ``mtp1``, ``threshold``,
+            ``dspark``, ``dspark-sla``); ``None`` without speculation.
+        block_size: γ drafted per round (0 without speculation).
+        sps_table: the SPS table in use as a JSON-able dict
+            (``runtime.dspark.sps.SpsTable.to_dict()``), or ``None``.
+    """
+
+    method: str
+    policy: str | None = None
+    block_size: int = 0
+    sps_table: dict | None = None
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What the gateway talks to. Implemented by the embedded engine
@@ -242,3 +261,5 @@ class Backend(Protocol):
         ...
 
     def load(self) -> LoadSnapshot: ...
+
+    def spec_info(self) -> SpecInfo: ...

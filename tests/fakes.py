@@ -28,6 +28,7 @@ from runtime.interface import (
     LoadSnapshot,
     QueueFullError,
     RequestTimings,
+    SpecInfo,
     SpecStats,
     TextDelta,
 )
@@ -102,6 +103,9 @@ class FakeBackend:
 
     def load(self) -> LoadSnapshot:
         return LoadSnapshot(running=self._running, waiting=0, max_batch=16, forward_steps=0)
+
+    def spec_info(self) -> SpecInfo:
+        return SpecInfo(method="none")
 
     # ---------------------------------------------------------------- helpers
     def word(self, i: int) -> str:

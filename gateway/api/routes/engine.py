@@ -17,4 +17,4 @@ router = APIRouter()
 async def engine_load(_: AdminPrincipal, backend: Annotated[Backend, Depends(get_backend)]) -> dict:
     """Running/waiting requests, batch capacity and the target-forward counter
     (``forward_steps``: one per engine step, i.e. per ragged target forward)."""
-    return {"ready": backend.ready(), **asdict(backend.load())}
+    return {"ready": backend.ready(), **asdict(backend.load()), "spec": asdict(backend.spec_info())}

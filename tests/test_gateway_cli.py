@@ -64,7 +64,7 @@ def test_db_downgrade_and_upgrade_commands(cli_env):
     assert cli.main(["db", "downgrade", "base"]) == 0
     assert asyncio.run(migrate.current_revision_async(cli_env)) is None
     assert cli.main(["db", "upgrade"]) == 0
-    assert asyncio.run(migrate.current_revision_async(cli_env)) == "0001_initial"
+    assert asyncio.run(migrate.current_revision_async(cli_env)) == migrate.head_revision()
 
 
 def test_serve_migrates_bootstraps_a_key_once_and_runs_uvicorn(tmp_path, monkeypatch, capsys):

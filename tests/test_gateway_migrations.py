@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
 
 API_KEY_COLUMNS = {"id", "digest", "prefix", "tenant_id", "user_label", "created_at", "last_used_at",
-                   "expires_at", "revoked_at", "token_budget"}
+                   "expires_at", "revoked_at", "token_budget", "tokens_used", "rpm_limit", "tpm_limit"}
 
 
 async def schema(url: str) -> dict:
@@ -71,15 +71,15 @@ async def exercise_schema(url: str) -> None:
 
 async def round_trip(url: str) -> None:
     await migrate.upgrade_async(url)
-    assert await migrate.current_revision_async(url) == "0001_initial"
+    assert await migrate.current_revision_async(url) == migrate.head_revision()
     s = await schema(url)
     assert {"tenants", "api_keys", "alembic_version"} <= s["tables"]
     assert set(s["api_keys"]) == API_KEY_COLUMNS
     assert {k for k, nullable in s["api_keys"].items() if nullable} == {
-        "user_label", "last_used_at", "expires_at", "revoked_at", "token_budget"}
+        "user_label", "last_used_at", "expires_at", "revoked_at", "token_budget", "rpm_limit", "tpm_limit"}
     assert s["indexes"]["ix_api_keys_digest"] is True and s["indexes"]["ix_api_keys_prefix"] is False
     assert s["fks"] == [("tenants", ["tenant_id"])]
-    assert s["tenants"] == {"id", "name", "created_at"} and ["name"] in s["tenant_uniques"]
+    assert s["tenants"] == {"id", "name", "created_at", "tier_id"} and ["name"] in s["tenant_uniques"]
     await exercise_schema(url)
 
     await migrate.downgrade_async(url, "base")
@@ -105,7 +105,7 @@ def test_sync_helpers_and_alembic_cli_use_settings_url(tmp_path):
     assert proc.returncode == 0, proc.stderr
     import asyncio
 
-    assert asyncio.run(migrate.current_revision_async(url)) == "0001_initial"
+    assert asyncio.run(migrate.current_revision_async(url)) == migrate.head_revision()
 
 
 # ------------------------------------------------------------------------- Postgres

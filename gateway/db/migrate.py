@@ -67,3 +67,10 @@ async def current_revision_async(url: str) -> str | None:
             return await conn.run_sync(lambda c: MigrationContext.configure(c).get_current_revision())
     finally:
         await engine.dispose()
+
+
+def head_revision() -> str:
+    """The newest revision in ``migrations/versions`` (what ``upgrade`` goes to)."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("")).get_current_head()

@@ -230,8 +230,21 @@ def weighted_confidence(confidence: Any, weights: Sequence[float]) -> Any:
     if confidence.dim() != 2 or confidence.shape[0] != len(weights) or confidence.shape[1] == 0:
         return confidence
     scaled = confidence.clone()
-    scaled[:, 0].mul_(confidence.new_tensor(list(weights)))
+    scaled[:, 0].mul_(_weights_like(confidence, weights))
     return scaled
+
+
+def _weights_like(like: Any, weights: Sequence[float]) -> Any:
+    """``weights`` as a 1-D tensor of ``like``'s dtype on ``like``'s device. On CUDA the
+    copy goes through pinned host memory with ``non_blocking=True``: a plain
+    ``new_tensor`` copies from pageable memory and makes the host wait for the stream
+    (all queued GPU work), which would stall SGLang's overlap scheduler every step."""
+    if not getattr(like, "is_cuda", False):
+        return like.new_tensor(list(weights))
+    import torch  # only reached inside SGLang's process, which has torch
+
+    host = torch.tensor(list(weights), dtype=like.dtype, pin_memory=True)
+    return host.to(like.device, non_blocking=True)
 
 
 def _wrap_worker(orig: Callable) -> Callable:

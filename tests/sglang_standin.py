@@ -25,6 +25,7 @@ source (file paths below are inside the ``sglang-0.5.23`` wheel):
   stream: ``data: {"error": {"message", "type", "code", "retryable"}}``.
 * ``POST /abort_request`` ``{"rid"}`` → 200; the request ends with an ``abort`` finish.
 * ``GET /health``, ``GET /health_generate`` → 200, or 503 when marked unhealthy.
+* ``GET /server_info`` → a few resolved server args (``speculative_algorithm``, …).
 * ``GET /v1/loads`` (``srt/entrypoints/v1_loads.py``; there is no ``/get_load`` in
   0.5.23) → ``{"timestamp", "version", "accelerator", "num_accelerators", "loads": [...]}``.
 
@@ -307,6 +308,16 @@ class SGLangStandin:
         return JSONResponse({"timestamp": "1970-01-01T00:00:00+00:00", "version": "0.5.23",
                              "accelerator": None, "num_accelerators": 1, "loads": [load]})
 
+    async def server_info(self, request: Request) -> Response:
+        """A few of the resolved server args ``/server_info`` returns (flat, as the stand-in
+        assumes; the real body holds every server arg plus scheduler state)."""
+        return JSONResponse({
+            "model_path": "standin/model", "speculative_algorithm": "DSPARK" if self.spec_gamma else None,
+            "speculative_dspark_block_size": self.spec_gamma,
+            "speculative_num_draft_tokens": self.spec_gamma + 1 if self.spec_gamma else None,
+            "max_running_requests": self.max_running, "version": "0.5.23", "frontend": "python",
+        })
+
     async def abort_request(self, request: Request) -> Response:
         body = await request.json()
         try:
@@ -458,6 +469,7 @@ class SGLangStandin:
             Route("/health", self.health, methods=["GET"]),
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/v1/loads", self.loads, methods=["GET"]),
+            Route("/server_info", self.server_info, methods=["GET"]),
         ])
 
 

@@ -10,12 +10,14 @@ import time
 import pytest
 
 from runtime.interface import (
+    Backend,
     Failed,
     Finished,
     FinishReason,
     GenerationRequest,
     QueueFullError,
     SamplingParams,
+    SpecInfo,
     TextDelta,
 )
 from runtime.sglang.client import SGLangBackend, SGLangConfig
@@ -79,6 +81,7 @@ async def test_streams_text_then_finished(servers, incremental):
     srv.standin.tokens_per_step = 2
     backend = await _backend([srv.url])
     try:
+        assert isinstance(backend, Backend)  # the runtime-checkable protocol, spec_info() included
         assert backend.ready() and backend.info.eos_token_id == EOS_ID
         events = await _collect(backend, _req())
     finally:
@@ -133,6 +136,26 @@ async def test_spec_stats_from_meta_info(servers):
     assert s.verified == (4 + 4 + 3) - 3  # verify lengths incl. anchor minus anchors
     assert s.accepted_per_position == [3, 2]
     assert s.tau == pytest.approx(meta["spec_accept_length"]) == pytest.approx(8 / 3)
+
+
+async def test_spec_info_from_server_info(servers):
+    a, b = servers
+    a.standin.spec_gamma = 7
+    backend = await _backend([a.url])
+    try:
+        assert backend.spec_info() == SpecInfo(method="dspark", policy=None, block_size=7, sps_table=None)
+    finally:
+        await backend.stop()
+    backend = await _backend([b.url])
+    try:
+        assert backend.spec_info() == SpecInfo(method="none")
+    finally:
+        await backend.stop()
+    backend = await _backend([closed_port_url()])
+    try:
+        assert backend.spec_info() == SpecInfo(method="sglang")  # not known yet
+    finally:
+        await backend.stop()
 
 
 async def test_stop_string_prefix_streamed_by_sglang_is_not_returned(servers):

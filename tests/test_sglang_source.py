@@ -41,9 +41,11 @@ SOURCE_FACTS = {
     "sglang/srt/entrypoints/http_server.py": [
         '@app.get("/health")', '@app.get("/health_generate")', '@app.post("/abort_request")',
         '"/generate",', 'yield b"data: " + dumps_json(out) + b"\\n\\n"', 'yield b"data: [DONE]\\n\\n"',
-        'content={"error": contract_error}', '"retryable": False',
+        'content={"error": contract_error}', '"retryable": False', '@app.get("/server_info")',
+        "**build_server_info(server_args, _global_state.scheduler_info),",
     ],
     "sglang/srt/entrypoints/v1_loads.py": ['@router.get("/v1/loads")', '"loads": loads'],
+    "sglang/srt/utils/common.py": ["result = server_args.resolved_dict()"],
     "sglang/srt/managers/load_snapshot.py": ["num_running_reqs: int = 0", "num_waiting_reqs: int = 0",
                                              "max_running_requests: int = 0"],
     "sglang/srt/managers/tokenizer_manager.py": [

@@ -99,6 +99,7 @@ from runtime.interface import (
     LoadSnapshot,
     QueueFullError,
     RequestTimings,
+    SpecInfo,
     SpecStats,
     TextDelta,
 )
@@ -225,6 +226,42 @@ def spec_stats_from_meta(meta: dict[str, Any]) -> SpecStats | None:
         emitted=int(meta.get("completion_tokens") or 0),
         accepted_per_position=per_position,
     )
+
+
+def _find_key(obj: Any, key: str) -> Any:
+    """First value of ``key`` anywhere in nested dicts/lists (``None`` if absent)."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        values = obj.values()
+    elif isinstance(obj, list):
+        values = obj
+    else:
+        return None
+    for value in values:
+        found = _find_key(value, key)
+        if found is not None:
+            return found
+    return None
+
+
+def spec_info_from_server_info(info: dict[str, Any]) -> SpecInfo:
+    """:class:`SpecInfo` from SGLang's ``GET /server_info`` (0.5.23: the resolved server
+    args, ``srt/utils/common.py`` ``build_server_info``; keys searched at any depth).
+
+    ``method`` = ``speculative_algorithm`` lower-cased (``"dspark"``) or ``"none"``;
+    ``block_size`` = ``speculative_dspark_block_size`` (else ``speculative_num_draft_tokens``
+    − 1); ``policy`` and ``sps_table`` are ``None``: SGLang's budget policy and SPS table
+    live on the GPU host and are not reported over HTTP.
+    """
+    algo = _find_key(info, "speculative_algorithm")
+    if not algo:
+        return SpecInfo(method="none")
+    gamma = _find_key(info, "speculative_dspark_block_size")
+    if not isinstance(gamma, int):
+        n = _find_key(info, "speculative_num_draft_tokens")
+        gamma = n - 1 if isinstance(n, int) and n > 1 else 0
+    return SpecInfo(method=str(algo).lower(), block_size=gamma)
 
 
 class ProtocolError(ValueError):
@@ -394,6 +431,7 @@ class SGLangBackend:
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._spec_info: SpecInfo | None = None
         self.aborts_sent = 0
 
     # -- lifecycle ----------------------------------------------------------------
@@ -414,8 +452,30 @@ class SGLangBackend:
         if not healthy:
             log.warning("no SGLang upstream is healthy yet: %s",
                         {u.url: u.last_error for u in self.router.upstreams})
-        self._health_task = asyncio.create_task(
-            self.router.run(self._client, self.config.health_interval_s), name="sglang-health")
+        await self._refresh_spec_info()
+        self._health_task = asyncio.create_task(self._watch(), name="sglang-health")
+
+    async def _watch(self) -> None:
+        """Probe the upstreams every ``health_interval_s``; fetch the speculation
+        settings until one server reported them."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.router.check_all(self._client)
+                if self._spec_info is None:
+                    await self._refresh_spec_info()
+            except Exception:  # noqa: BLE001 — the loop must survive
+                log.exception("SGLang health check round failed")
+
+    async def _refresh_spec_info(self) -> None:
+        for upstream in self.router.healthy():
+            try:
+                resp = await self._client.get(upstream.url + "/server_info", timeout=self.config.health_timeout_s)
+                if resp.status_code == 200:
+                    self._spec_info = spec_info_from_server_info(resp.json())
+                    return
+            except (httpx.HTTPError, ValueError) as exc:
+                log.debug("GET %s/server_info failed: %s", upstream.url, exc)
 
     async def stop(self) -> None:
         if self._health_task is not None:
@@ -458,6 +518,11 @@ class SGLangBackend:
         if not max_batch and self.config.max_in_flight_per_upstream:
             max_batch = self.config.max_in_flight_per_upstream * len(self.router.healthy())
         return LoadSnapshot(sum(u.in_flight for u in ups), waiting, max_batch, 0)
+
+    def spec_info(self) -> SpecInfo:
+        """The servers' speculation settings (:func:`spec_info_from_server_info`, from the
+        first healthy server); ``SpecInfo("sglang")`` until one answered ``/server_info``."""
+        return self._spec_info or SpecInfo(method="sglang")
 
     # -- streaming ------------------------------------------------------------------
     async def _open(self, payload: dict) -> tuple[Upstream, httpx.Response]:

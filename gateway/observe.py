@@ -75,6 +75,8 @@ class RequestOutcome:
         completion_tokens: tokens emitted (for cancelled ones: emitted before the abort).
         timings: the engine's monotonic timestamps (``None`` when it never ran).
         spec: speculative-decoding stats (``None`` without speculation).
+        token_times: ``time.monotonic()`` (seconds) at which each ``TextDelta`` carrying
+            ≥ 1 token reached the gateway (for TTFT/inter-token latency metrics).
         ended_mono: ``time.monotonic()`` when the gateway saw the end.
     """
 
@@ -87,6 +89,7 @@ class RequestOutcome:
     completion_tokens: int = 0
     timings: RequestTimings | None = None
     spec: SpecStats | None = None
+    token_times: list[float] = field(default_factory=list)
     ended_mono: float = field(default_factory=time.monotonic)
 
     @property
@@ -148,6 +151,8 @@ async def observed(
             else:
                 emitted += event.num_tokens
                 outcome.completion_tokens = emitted
+                if event.num_tokens:
+                    outcome.token_times.append(time.monotonic())
             yield event
     except QueueFullError as exc:
         outcome.status, outcome.error_code, outcome.error_message = REJECTED, "queue_full", str(exc)

@@ -88,7 +88,8 @@ class AsyncEngine:
         e = self.engine
         if e is None:
             return LoadSnapshot(0, 0, self.config.max_batch_size, 0)
-        return LoadSnapshot(e.num_running, e.num_waiting + self._pending_adds, self.config.max_batch_size, e.forward_steps)
+        return LoadSnapshot(e.num_running, e.num_waiting + self._pending_adds, self.config.max_batch_size,
+                            e.forward_steps, e.decode_steps, e.verify_tokens)
 
     def spec_info(self) -> SpecInfo:
         spec = self.engine.speculator if self.engine is not None else None

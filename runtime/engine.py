@@ -83,6 +83,8 @@ class LLMEngine:
             Speculator(config, self.model, config.max_batch_size, self.cache.max_len) if config.spec_method != "none" else None
         )
         self.forward_steps = 0
+        self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
+        self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
         self._by_id: dict[str, Sequence] = {}
 
     # -- requests -----------------------------------------------------------
@@ -180,6 +182,8 @@ class LLMEngine:
                 [n for _, n in plan.prefill],
             )
         if plan.decode:
+            self.decode_steps += 1
+            self.verify_tokens += num_verify_rows
             self._verify(plan.decode, proposal, out, num_verify_rows)
         if prefill_done:
             logits = out.logits[num_verify_rows:]

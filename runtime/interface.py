@@ -207,6 +207,8 @@ class LoadSnapshot:
     waiting: int
     max_batch: int
     forward_steps: int  # engine counter: target forward passes since start
+    decode_steps: int = 0  # engine counter: forwards that verified ≥ 1 decoding request (rounds)
+    verify_tokens: int = 0  # engine counter: Σ over those rounds of B = Σ_r (1 + ℓ_r) tokens verified
 
 
 @dataclass

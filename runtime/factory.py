@@ -6,8 +6,21 @@ from runtime.config import EngineConfig
 from runtime.interface import Backend
 
 
-def create_backend(config: EngineConfig) -> Backend:
-    """Return an (unstarted) backend for ``config``; ``await backend.start()`` loads it."""
-    from runtime.async_engine import AsyncEngine
+def create_backend(config) -> Backend:
+    """An (unstarted) backend; ``await backend.start()`` loads/connects it.
 
-    return AsyncEngine(config)
+    ``EngineConfig`` → the embedded engine (:class:`runtime.async_engine.AsyncEngine`);
+    ``runtime.sglang.client.SGLangConfig`` → the SGLang client backend.
+
+    Raises:
+        TypeError: an unknown config type.
+    """
+    if isinstance(config, EngineConfig):
+        from runtime.async_engine import AsyncEngine
+
+        return AsyncEngine(config)
+    from runtime.sglang.client import SGLangBackend, SGLangConfig
+
+    if isinstance(config, SGLangConfig):
+        return SGLangBackend(config)
+    raise TypeError(f"unknown backend config {type(config).__name__}")

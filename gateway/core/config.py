@@ -27,6 +27,11 @@ class Settings(BaseSettings):
 
     Attributes:
         host, port: where ``sparkgate serve`` listens.
+        metrics_port: unset (default) → ``GET /metrics`` on the API port, admin token
+            required; set → served without auth on ``metrics_host:metrics_port`` only
+            (keep that port off the public network).
+        metrics_host: address of that separate metrics listener.
+        metrics_max_tenants: distinct tenants named in metric labels; later ones → ``other``.
         database_url: SQLAlchemy async URL (``sqlite+aiosqlite://`` or
             ``postgresql+asyncpg://``) holding tenants and API keys.
         dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
@@ -43,6 +48,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_max_tenants: int = 20
     database_url: str = Field(default_factory=default_database_url)
     dtype: str = "bfloat16"
     max_batch_size: int = 16

@@ -45,6 +45,9 @@ class RequestContext:
         key_id: DB id of the API key (``None`` for the admin token).
         tier: SLA tier name, when tiers are configured.
         sla_target_tokens_per_s: the tier's per-user decode target, if any.
+        priority: the tier's priority (larger = more important).
+        predicted_tokens_per_s: admission's predicted decode tok/s for this request.
+        admission_wait_s: seconds spent in the admission queue (rate limits, concurrency, SLA).
         received_wall: ``time.time()`` when the gateway submitted it (seconds).
     """
 
@@ -59,6 +62,9 @@ class RequestContext:
     key_id: int | None = None
     tier: str | None = None
     sla_target_tokens_per_s: float | None = None
+    priority: int = 0
+    predicted_tokens_per_s: float | None = None
+    admission_wait_s: float | None = None
     received_wall: float = field(default_factory=time.time)
     received_mono: float = field(default_factory=time.monotonic)
 

@@ -23,6 +23,7 @@ from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.errors import install_error_handlers
+from gateway.metrics import install as install_metrics
 from gateway.stats import RollingStats
 from runtime.interface import Backend
 
@@ -87,6 +88,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     install_error_handlers(app)
     for router in (health.router, models.router, chat.router, completions.router, engine.router):
         app.include_router(router)
+    install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)

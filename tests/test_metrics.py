@@ -1,0 +1,259 @@
+"""Prometheus metrics: the observer's counters/histograms on a FakeBackend app, label
+cardinality caps, /metrics protection, the engine's verification-budget counters, and
+values on the live server that agree with the responses' ``usage``.
+
+Metrics live in prometheus-client's process-wide registry, so every assertion here is
+on a difference (after − before)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway import metrics
+from gateway.crud.keys import issue_key
+from gateway.main import create_app
+from gateway.observe import CANCELLED, FAILED, FINISHED, RequestContext, RequestOutcome
+from runtime.dspark.sps import SpsTable
+from runtime.interface import RequestTimings, SpecInfo, SpecStats
+from tests.fakes import FakeBackend
+from tests.gateway_fixtures import api_key, app, auth, backend, chat, client, db_url, make_settings, migrated_template, settings  # noqa: F401
+
+ADMIN = "admin-test-token"
+
+
+def total(name: str, **labels) -> float:
+    """Sum of the samples ``name`` whose labels include ``labels`` (others: any value)."""
+    return sum(s.value for f in REGISTRY.collect() for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+class Delta:
+    """:func:`total` relative to when this object was created."""
+
+    def __init__(self):
+        self.before = [(s.name, s.labels, s.value) for f in REGISTRY.collect() for s in f.samples]
+
+    def __call__(self, name: str, **labels) -> float:
+        old = sum(v for n, lab, v in self.before if n == name and labels.items() <= lab.items())
+        return total(name, **labels) - old
+
+
+@asynccontextmanager
+async def running_app(db_url, backend, **overrides):
+    application = create_app(make_settings(db_url, admin_token=ADMIN, **overrides), backend)
+    async with application.router.lifespan_context(application):
+        await application.state.backend_start
+        transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as c:
+            yield application, c
+
+
+# -- the observer on a FakeBackend app -----------------------------------------------------
+
+async def test_outcomes_update_counters_and_histograms(app, client, auth, backend):
+    d = Delta()
+    labels = {"tenant": "acme"}  # any tier (tiers are the tenancy code's business)
+    r1 = await client.post("/v1/chat/completions", json=chat(), headers=auth)
+    r2 = await client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=3), headers=auth)
+    backend.fail_after_deltas = 2
+    await client.post("/v1/chat/completions", json=chat(stream=True), headers=auth)
+    backend.fail_after_deltas, backend.queue_full = None, True
+    r4 = await client.post("/v1/chat/completions", json=chat(), headers=auth)
+    backend.queue_full = False
+    r5 = await client.post("/v1/chat/completions", json=chat(model="nope"), headers=auth)
+    r6 = await client.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer wrong"})
+    assert (r1.status_code, r2.status_code, r4.status_code, r5.status_code, r6.status_code) == (200, 200, 503, 404, 401)
+    prompt = r1.json()["usage"]["prompt_tokens"]
+
+    assert d("sparkgate:request_success_total", finished_reason="stop", **labels) == 1
+    assert d("sparkgate:request_success_total", finished_reason="length", **labels) == 1
+    assert d("sparkgate:request_errors_total", code="engine_error", **labels) == 1
+    assert d("sparkgate:request_errors_total", code="queue_full", **labels) == 1
+    assert d("sparkgate:request_errors_total", code="model_not_found", tenant="unknown", tier="unknown") == 1
+    assert d("sparkgate:request_errors_total", code="invalid_api_key", tenant="unknown", tier="unknown") == 1
+    # tokens: finished 7 + 3, failed 2 emitted before failing; the rejected one never ran
+    assert d("sparkgate:generation_tokens_total", **labels) == 7 + 3 + 2
+    assert d("sparkgate:prompt_tokens_total", **labels) == 3 * prompt
+    # TTFT/ITL/queue for the three that ran; e2e and TPOT for the two finished
+    assert d("sparkgate:time_to_first_token_seconds_count", **labels) == 3
+    assert d("sparkgate:inter_token_latency_seconds_count", **labels) == 6 + 2 + 1
+    assert d("sparkgate:request_queue_time_seconds_count", **labels) == 2  # the fake's Failed has no timings
+    assert d("sparkgate:e2e_request_latency_seconds_count", **labels) == 2
+    assert d("sparkgate:request_time_per_output_token_seconds_count", **labels) == 2
+    assert d("sparkgate:spec_decode_num_drafts_total") == 0  # no speculation asked for
+
+
+async def test_inter_token_latency_is_measured_per_delta(app, client, auth, backend):
+    backend.token_delay_s, backend.tokens_per_delta = 0.05, 2  # 7 tokens → deltas of 2, 2, 2, 1
+    d = Delta()
+    labels = {"tenant": "acme"}
+    r = await client.post("/v1/chat/completions", json=chat(), headers=auth)
+    assert r.json()["usage"]["completion_tokens"] == 7
+    assert d("sparkgate:inter_token_latency_seconds_count", **labels) == 3  # one per delta after the first
+    itl_sum = d("sparkgate:inter_token_latency_seconds_sum", **labels)
+    assert 3 * 0.05 <= itl_sum < 3 * 0.05 + 0.5
+    # per output token: the same span over 6 token gaps
+    assert d("sparkgate:request_time_per_output_token_seconds_sum", **labels) == pytest.approx(itl_sum / 6, rel=1e-6)
+    assert d("sparkgate:inter_token_latency_seconds_bucket", le="0.04", **labels) == 0
+    assert d("sparkgate:inter_token_latency_seconds_bucket", le="0.5", **labels) == 3
+    e2e = d("sparkgate:e2e_request_latency_seconds_sum", **labels)
+    assert e2e >= itl_sum + d("sparkgate:time_to_first_token_seconds_sum", **labels)
+
+
+async def test_spec_stats_feed_the_spec_decode_counters(app, client, auth):
+    d = Delta()
+    r = await client.post("/v1/chat/completions", json=chat(return_spec_stats=True), headers=auth)
+    spec = r.json()["spec_stats"]
+    # FakeBackend: 7 tokens → 3 rounds of 4 drafted/verified, 4 accepted, per position [3, 1]
+    assert (spec["rounds"], spec["drafted"], spec["verified"], spec["accepted"]) == (3, 12, 12, 4)
+    assert d("sparkgate:spec_decode_num_drafts_total") == 3
+    assert d("sparkgate:spec_decode_num_draft_tokens_total") == 12
+    assert d("sparkgate:spec_decode_num_verified_tokens_total") == 12
+    assert d("sparkgate:spec_decode_num_accepted_tokens_total") == 4
+    assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3
+    assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
+    assert d("sparkgate:spec_decode_verified_tokens_per_round_sum") == 4.0
+    assert d("sparkgate:spec_decode_verified_tokens_per_round_count") == 1
+
+
+def outcome(status, tenant="t", tier=None, target=None, tokens=11, span_s=1.0, **kw) -> RequestOutcome:
+    ctx = RequestContext("r", "chat", "m", False, prompt_tokens=5, max_tokens=50, tenant=tenant, tier=tier,
+                         sla_target_tokens_per_s=target)
+    t = RequestTimings(queued=100.0, started=100.5, first_token=101.0, last_token=101.0 + span_s)
+    return RequestOutcome(ctx, status, prompt_tokens=5, completion_tokens=tokens, timings=t, **kw)
+
+
+def test_sla_attainment_per_tier_and_cancelled_is_abort():
+    obs, d = metrics.MetricsObserver(), Delta()
+    metrics.TENANTS.configure(20)
+    metrics.TIERS.configure(10)
+    obs.request_ended(outcome(FINISHED, tier="gold", target=10.0, finish_reason="stop"))  # 10 tok/s: met
+    obs.request_ended(outcome(FINISHED, tier="gold", target=10.0, span_s=2.0, finish_reason="stop"))  # 5: missed
+    obs.request_ended(outcome(FINISHED, tier="free", finish_reason="length"))  # no target: not counted
+    obs.request_ended(outcome(FAILED, tier="gold", target=10.0, error_code="timeout"))  # failed: not counted
+    obs.request_ended(outcome(CANCELLED, tier="gold", tokens=3))
+    assert d("sparkgate:sla_requests_total", result="met", tenant="t", tier="gold") == 1
+    assert d("sparkgate:sla_requests_total", result="missed", tenant="t", tier="gold") == 1
+    assert d("sparkgate:sla_requests_total", result="met", tenant="t", tier="free") == 0
+    assert d("sparkgate:request_errors_total", code="timeout", tenant="t", tier="gold") == 1
+    assert d("sparkgate:request_success_total", finished_reason="abort", tenant="t", tier="gold") == 1
+    assert d("sparkgate:request_queue_time_seconds_sum", tenant="t", tier="gold") == pytest.approx(4 * 0.5)
+    assert d("sparkgate:generation_tokens_total", tenant="t", tier="gold") == 11 * 3 + 3
+
+
+def test_label_cap_keeps_first_n_then_other():
+    cap = metrics.LabelCap(2)
+    assert [cap(v) for v in ("a", "b", "c", "a", None, "", "d", "b")] == ["a", "b", "other", "a", "none", "none", "other", "b"]
+    cap.configure(1)
+    assert [cap("c"), cap("a")] == ["c", "other"]
+
+
+async def test_tenant_labels_are_capped_across_request_and_tenancy_series(db_url):
+    keys = [await issue_key(db_url, f"tenant-{i}", f"user-{i}") for i in range(4)]
+    d = Delta()
+    async with running_app(db_url, FakeBackend(), metrics_max_tenants=2) as (_, c):
+        for key in keys:
+            r = await c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+        metrics.rate_limited("tenant-1", None, "rpm")
+        metrics.rate_limited("tenant-3", "gold", "tpm")
+        text = (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).text
+    assert d("sparkgate:generation_tokens_total", tenant="tenant-0") == 7
+    assert d("sparkgate:generation_tokens_total", tenant="tenant-1") == 7
+    assert d("sparkgate:generation_tokens_total", tenant="other") == 14
+    assert d("sparkgate:rate_limited_requests_total", limit="rpm", tenant="tenant-1", tier="none") == 1
+    assert d("sparkgate:rate_limited_requests_total", limit="tpm", tenant="other", tier="gold") == 1
+    exposed = {s.labels.get("tenant") for f in text_string_to_metric_families(text) for s in f.samples}
+    assert not {"tenant-2", "tenant-3"} & exposed
+    assert not any("user-" in line for line in text.splitlines())  # user labels are never exported
+
+
+# -- /metrics endpoint and engine collector ---------------------------------------------------
+
+class SpecFake(FakeBackend):
+    def spec_info(self) -> SpecInfo:
+        table = SpsTable([1, 8], [512, 2048], [[30.0, 27.0], [20.0, 18.0]], note="test")
+        return SpecInfo("dspark", "dspark-sla", 7, table.to_dict())
+
+
+async def test_metrics_needs_admin_token_and_exports_engine_state(db_url):
+    key = await issue_key(db_url, "acme", "alice")
+    async with running_app(db_url, SpecFake()) as (_, c):
+        assert (await c.get("/metrics")).status_code == 401
+        assert (await c.get("/metrics", headers={"Authorization": f"Bearer {key}"})).status_code == 403
+        r = await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert fams["sparkgate:num_requests_running"].samples[0].value == 0
+    info = fams["sparkgate:spec_decode_config_info"].samples[0]
+    assert info.labels == {"method": "dspark", "policy": "dspark-sla", "num_speculative_tokens": "7"}
+    sps = {(s.labels["budget_tokens"], s.labels["context_len"]): s.value for s in fams["sparkgate:sps"].samples}
+    assert sps[("8", "512")] == 27.0 and sps[("1", "2048")] == 20.0 and len(sps) == 4
+    assert "sparkgate:engine_verify_tokens" in fams and "sparkgate:time_to_first_token_seconds" in fams
+
+
+async def test_running_gauge_is_read_at_scrape_time(db_url):
+    key = await issue_key(db_url, "acme", "alice")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with running_app(db_url, FakeBackend(token_delay_s=0.1)) as (_, c):
+        task = asyncio.create_task(c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"}))
+        seen = []
+        while not task.done():
+            seen.append(total("sparkgate:num_requests_running"))
+            await asyncio.sleep(0.05)
+        assert (await task).status_code == 200
+        assert 1.0 in seen and set(seen) <= {0.0, 1.0}
+        r = await c.get("/metrics", headers=admin)
+        assert "sparkgate:num_requests_running 0.0" in r.text.splitlines()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_separate_metrics_port_serves_without_auth_and_stops_with_the_app(db_url):
+    port = _free_port()
+    async with running_app(db_url, FakeBackend(), metrics_port=port) as (_, c):
+        assert (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 404
+        async with httpx.AsyncClient() as direct:
+            r = await direct.get(f"http://127.0.0.1:{port}/metrics")
+        assert r.status_code == 200 and "sparkgate:num_requests_waiting 0.0" in r.text.splitlines()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+# -- engine counters (real model, no server) ---------------------------------------------------
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec_method", ["none", "prompt_lookup"])
+def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer, spec_method):
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.interface import Finished, GenerationRequest, SamplingParams
+
+    finals = {}
+    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=3, max_context=512, spec_method=spec_method,
+                                    num_speculative_tokens=4),
+                       lambda rid, ev: finals.__setitem__(rid, ev) if isinstance(ev, Finished) else None,
+                       model=target_fp32, tokenizer=tokenizer)
+    texts = ["Count from one to twenty: one, two, three,", "Repeat: a b c a b c a b c", "Hello"]
+    for i, text in enumerate(texts):
+        engine.add_request(GenerationRequest(str(i), tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    assert engine.forward_steps >= engine.decode_steps > 0
+    if spec_method == "none":  # every decode round verifies one anchor per running request
+        assert engine.verify_tokens == sum(f.completion_tokens - 1 for f in finals.values())
+    else:  # B = Σ_r (1 + ℓ_r): per request, one anchor per round plus its verified drafts
+        assert engine.verify_tokens == sum(f.spec.rounds + f.spec.verified for f in finals.values())
+        assert any(f.spec.verified for f in finals.values())

@@ -9,15 +9,15 @@ default registry, exported by ``GET /metrics`` (see :func:`install`).
 
 Latency definitions (all seconds, gateway clock ``time.monotonic()``):
 
-* ``time_to_first_token_seconds``: submission to the engine → first token-bearing
-  ``TextDelta`` seen by the gateway.
+* ``time_to_first_token_seconds``: the gateway accepting the request (``RequestContext``
+  created, before admission control) → first token-bearing ``TextDelta`` it receives.
 * ``inter_token_latency_seconds``: gap between consecutive token-bearing deltas of a
   request, one observation per delta after the first (measured per delta, not
   approximated; like vLLM, a delta holding k tokens from one speculative round is one
   observation of its gap, not k).
 * ``request_time_per_output_token_seconds``: (last − first token) / (tokens − 1), once
   per finished request with ≥ 2 tokens.
-* ``e2e_request_latency_seconds``: submission → end, finished requests.
+* ``e2e_request_latency_seconds``: the same start → the end, finished requests.
 * ``request_queue_time_seconds``: engine ``queued`` → prefill start (engine clock).
 
 TTFT, ITL and queue time are observed for every request that got that far (also
@@ -26,18 +26,21 @@ Token counters count every request that reached the engine (cancelled ones: the
 tokens emitted before the abort), at its end.
 
 ``request_errors_total{code}`` counts failed/rejected requests by error code (from the
-observer) plus requests refused before reaching the engine (4xx answers except 499, and
-``model_not_ready``; counted from the ``APIError`` handler, ``tenant``/``tier`` =
-``unknown``). Cancelled requests are ``request_success_total{finished_reason="abort"}``
-(vLLM's convention), not errors.
+observer: engine failures, ``queue_full`` and the admission controller's 429s, which it
+reports as rejected outcomes) plus requests refused before admission — 4xx answers
+other than 429/499, and ``model_not_ready`` — counted from the ``APIError`` handler with
+``tenant``/``tier`` = ``unknown``. Cancelled requests are
+``request_success_total{finished_reason="abort"}`` (vLLM's convention), not errors.
+
+Tenancy series need no calls from the tenancy code: ``rate_limited_requests_total``
+counts rejected outcomes with an admission code (:data:`ADMISSION_CODES`),
+``admission_queue_time_seconds`` observes ``RequestContext.admission_wait_s``, and the
+request-record writer's backlog/drops (``app.state.record_writer``: ``buffered``,
+``dropped``) are read at scrape time.
 
 Cardinality: tenant names pass through :data:`TENANTS` — the first
 ``metrics_max_tenants`` distinct tenants keep their name, later ones are ``other``;
 tier names through :data:`TIERS` (cap 10); no user ids or keys are ever labels.
-
-For the tenancy code (call these; they apply the label caps):
-:func:`rate_limited`, :func:`observe_admission_wait`, :data:`DB_WRITER_QUEUE_DEPTH`
-(``.set(n)`` or ``.set_function(fn)``), :data:`DB_RECORDS_DROPPED` (``.inc()``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.errors import APIError
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series (as vLLM)
 
 OTHER, NONE, UNKNOWN = "other", "none", "unknown"
+ADMISSION_CODES = frozenset({"rate_limit_exceeded", "insufficient_quota", "concurrency_limit_exceeded",
+                             "sla_capacity_exceeded"})
 
 
 class LabelCap:
@@ -127,23 +132,12 @@ SPEC_VERIFIED_PER_ROUND = Histogram(
 SLA_REQUESTS = Counter("sparkgate:sla_requests_total",
                        "Finished requests with a tier target, by whether their decode tok/s met it.",
                        ("result", *REQ))
-RATE_LIMITED = Counter("sparkgate:rate_limited_requests_total", "Requests refused by a rate limit.",
-                       ("limit", *REQ))
+RATE_LIMITED = Counter("sparkgate:rate_limited_requests_total",
+                       "Requests refused by admission control (rate limit, budget, concurrency, SLA), by code.",
+                       ("code", *REQ))
 ADMISSION_WAIT = Histogram(
-    "sparkgate:admission_queue_time_seconds", "Time waiting in the gateway's admission queue, seconds.", ("tier",),
+    "sparkgate:admission_queue_time_seconds", "Time in the gateway's admission control, seconds.", ("tier",),
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
-DB_WRITER_QUEUE_DEPTH = Gauge("sparkgate:db_writer_queue_depth", "Request records waiting to be written.")
-DB_RECORDS_DROPPED = Counter("sparkgate:db_records_dropped_total", "Request records dropped (queue full/DB error).")
-
-
-def rate_limited(tenant: str | None, tier: str | None, limit: str) -> None:
-    """Count one rate-limit refusal; ``limit`` names the limit hit (e.g. ``rpm``, ``tpm``)."""
-    RATE_LIMITED.labels(limit, TENANTS(tenant), TIERS(tier)).inc()
-
-
-def observe_admission_wait(tier: str | None, seconds: float) -> None:
-    """Record how long a request waited for admission (seconds)."""
-    ADMISSION_WAIT.labels(TIERS(tier)).observe(seconds)
 
 
 class MetricsObserver:
@@ -151,6 +145,8 @@ class MetricsObserver:
 
     def request_ended(self, o: RequestOutcome) -> None:
         labels = (TENANTS(o.ctx.tenant), TIERS(o.ctx.tier))
+        if o.ctx.admission_wait_s is not None:
+            ADMISSION_WAIT.labels(labels[1]).observe(o.ctx.admission_wait_s)
         if o.status == FINISHED:
             REQUEST_SUCCESS.labels(o.finish_reason, *labels).inc()
         elif o.status == CANCELLED:
@@ -158,6 +154,8 @@ class MetricsObserver:
         else:
             REQUEST_ERRORS.labels(o.error_code or "engine_error", *labels).inc()
         if o.status == REJECTED:
+            if o.error_code in ADMISSION_CODES:
+                RATE_LIMITED.labels(o.error_code, *labels).inc()
             return
         PROMPT_TOKENS.labels(*labels).inc(o.prompt_tokens)
         GENERATION_TOKENS.labels(*labels).inc(o.completion_tokens)
@@ -196,19 +194,28 @@ class MetricsObserver:
             SPEC_VERIFIED_PER_ROUND.labels(tier).observe(s.verified / s.rounds)
 
 
-class EngineCollector:
-    """Engine gauges/counters read from the backend at scrape time."""
+class StateCollector:
+    """Engine and record-writer state read at scrape time from ``app.state``."""
 
     def __init__(self) -> None:
-        self.backend = None  # set by install(); the last installed app wins
+        self.state = None  # set by install(); the last installed app wins
 
     def describe(self) -> list[Metric]:
-        return []  # nothing to check at registration; collect() needs a backend
+        return []  # nothing to check at registration; collect() needs an app
 
     def collect(self) -> Iterator[Metric]:
-        backend = self.backend
-        if backend is None:
+        if self.state is None:
             return
+        writer = getattr(self.state, "record_writer", None)
+        if writer is not None:
+            yield GaugeMetricFamily("sparkgate:db_writer_queue_depth", "Request records waiting to be written.",
+                                    writer.buffered)
+            yield CounterMetricFamily("sparkgate:db_records_dropped", "Request records dropped (buffer full).",
+                                      writer.dropped)
+        yield from self._engine(self.state.backend)
+
+    @staticmethod
+    def _engine(backend) -> Iterator[Metric]:
         try:
             load, spec = backend.load(), backend.spec_info()
         except Exception:  # a scrape must never fail because the backend is unhappy
@@ -236,8 +243,8 @@ class EngineCollector:
             yield sps
 
 
-ENGINE = EngineCollector()
-REGISTRY.register(ENGINE)
+STATE = StateCollector()
+REGISTRY.register(STATE)
 
 
 def _count_refusals(app: FastAPI) -> None:
@@ -245,7 +252,7 @@ def _count_refusals(app: FastAPI) -> None:
     inner = app.exception_handlers[APIError]
 
     async def handler(request, exc: APIError):
-        if (exc.status < 500 and exc.status != 499) or exc.code == "model_not_ready":
+        if (exc.status < 500 and exc.status not in (429, 499)) or exc.code == "model_not_ready":
             REQUEST_ERRORS.labels(exc.code or f"http_{exc.status}", UNKNOWN, UNKNOWN).inc()
         return await inner(request, exc)
 
@@ -264,7 +271,7 @@ def install(app: FastAPI) -> None:
 
     settings = app.state.settings
     TENANTS.configure(settings.metrics_max_tenants)
-    ENGINE.backend = app.state.backend
+    STATE.state = app.state
     app.state.observers.append(MetricsObserver())
     _count_refusals(app)
     if settings.metrics_port is None:

@@ -11,6 +11,7 @@ import asyncio
 import socket
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import metrics
 from gateway.crud.keys import issue_key
 from gateway.main import create_app
-from gateway.observe import CANCELLED, FAILED, FINISHED, RequestContext, RequestOutcome
+from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED, RequestContext, RequestOutcome
 from runtime.dspark.sps import SpsTable
 from runtime.interface import RequestTimings, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
@@ -127,8 +128,8 @@ async def test_spec_stats_feed_the_spec_decode_counters(app, client, auth):
 def outcome(status, tenant="t", tier=None, target=None, tokens=11, span_s=1.0, **kw) -> RequestOutcome:
     ctx = RequestContext("r", "chat", "m", False, prompt_tokens=5, max_tokens=50, tenant=tenant, tier=tier,
                          sla_target_tokens_per_s=target)
-    t = RequestTimings(queued=100.0, started=100.5, first_token=101.0, last_token=101.0 + span_s)
-    return RequestOutcome(ctx, status, prompt_tokens=5, completion_tokens=tokens, timings=t, **kw)
+    kw.setdefault("timings", RequestTimings(queued=100.0, started=100.5, first_token=101.0, last_token=101.0 + span_s))
+    return RequestOutcome(ctx, status, prompt_tokens=5, completion_tokens=tokens, **kw)
 
 
 def test_sla_attainment_per_tier_and_cancelled_is_abort():
@@ -149,6 +150,23 @@ def test_sla_attainment_per_tier_and_cancelled_is_abort():
     assert d("sparkgate:generation_tokens_total", tenant="t", tier="gold") == 11 * 3 + 3
 
 
+def test_admission_rejections_and_wait_come_from_outcomes():
+    obs, d = metrics.MetricsObserver(), Delta()
+    metrics.TENANTS.configure(1)
+    metrics.TIERS.configure(10)
+    for tenant, code in (("a", "rate_limit_exceeded"), ("b", "sla_capacity_exceeded"), ("a", "queue_full")):
+        o = outcome(REJECTED, tenant=tenant, tier="gold", error_code=code, timings=None, tokens=0)
+        o.ctx.admission_wait_s = 0.25
+        obs.request_ended(o)
+    assert d("sparkgate:rate_limited_requests_total", code="rate_limit_exceeded", tenant="a", tier="gold") == 1
+    assert d("sparkgate:rate_limited_requests_total", code="sla_capacity_exceeded", tenant="other", tier="gold") == 1
+    assert d("sparkgate:rate_limited_requests_total", code="queue_full") == 0  # the engine's queue, not admission
+    assert d("sparkgate:request_errors_total", code="queue_full", tenant="a", tier="gold") == 1
+    assert d("sparkgate:admission_queue_time_seconds_count", tier="gold") == 3
+    assert d("sparkgate:admission_queue_time_seconds_sum", tier="gold") == pytest.approx(0.75)
+    assert d("sparkgate:generation_tokens_total", tier="gold") == 0  # rejected: never ran
+
+
 def test_label_cap_keeps_first_n_then_other():
     cap = metrics.LabelCap(2)
     assert [cap(v) for v in ("a", "b", "c", "a", None, "", "d", "b")] == ["a", "b", "other", "a", "none", "none", "other", "b"]
@@ -156,21 +174,17 @@ def test_label_cap_keeps_first_n_then_other():
     assert [cap("c"), cap("a")] == ["c", "other"]
 
 
-async def test_tenant_labels_are_capped_across_request_and_tenancy_series(db_url):
+async def test_tenant_labels_are_capped_and_users_never_exported(db_url):
     keys = [await issue_key(db_url, f"tenant-{i}", f"user-{i}") for i in range(4)]
     d = Delta()
     async with running_app(db_url, FakeBackend(), metrics_max_tenants=2) as (_, c):
         for key in keys:
             r = await c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
-        metrics.rate_limited("tenant-1", None, "rpm")
-        metrics.rate_limited("tenant-3", "gold", "tpm")
         text = (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).text
     assert d("sparkgate:generation_tokens_total", tenant="tenant-0") == 7
     assert d("sparkgate:generation_tokens_total", tenant="tenant-1") == 7
     assert d("sparkgate:generation_tokens_total", tenant="other") == 14
-    assert d("sparkgate:rate_limited_requests_total", limit="rpm", tenant="tenant-1", tier="none") == 1
-    assert d("sparkgate:rate_limited_requests_total", limit="tpm", tenant="other", tier="gold") == 1
     exposed = {s.labels.get("tenant") for f in text_string_to_metric_families(text) for s in f.samples}
     assert not {"tenant-2", "tenant-3"} & exposed
     assert not any("user-" in line for line in text.splitlines())  # user labels are never exported
@@ -184,9 +198,10 @@ class SpecFake(FakeBackend):
         return SpecInfo("dspark", "dspark-sla", 7, table.to_dict())
 
 
-async def test_metrics_needs_admin_token_and_exports_engine_state(db_url):
+async def test_metrics_needs_admin_token_and_exports_engine_and_writer_state(db_url):
     key = await issue_key(db_url, "acme", "alice")
-    async with running_app(db_url, SpecFake()) as (_, c):
+    async with running_app(db_url, SpecFake()) as (application, c):
+        application.state.record_writer = SimpleNamespace(buffered=3, dropped=2)
         assert (await c.get("/metrics")).status_code == 401
         assert (await c.get("/metrics", headers={"Authorization": f"Bearer {key}"})).status_code == 403
         r = await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
@@ -198,6 +213,8 @@ async def test_metrics_needs_admin_token_and_exports_engine_state(db_url):
     sps = {(s.labels["budget_tokens"], s.labels["context_len"]): s.value for s in fams["sparkgate:sps"].samples}
     assert sps[("8", "512")] == 27.0 and sps[("1", "2048")] == 20.0 and len(sps) == 4
     assert "sparkgate:engine_verify_tokens" in fams and "sparkgate:time_to_first_token_seconds" in fams
+    assert fams["sparkgate:db_writer_queue_depth"].samples[0].value == 3
+    assert fams["sparkgate:db_records_dropped"].samples[0].value == 2
 
 
 async def test_running_gauge_is_read_at_scrape_time(db_url):

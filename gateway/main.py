@@ -18,11 +18,13 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from gateway.api.routes import chat, completions, engine, health, models
+from gateway.admission import AdmissionController
+from gateway.api.routes import admin, chat, completions, engine, health, models, usage
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.errors import install_error_handlers
+from gateway.records import RecordWriter
 from gateway.metrics import install as install_metrics
 from gateway.stats import RollingStats
 from runtime.interface import Backend
@@ -51,9 +53,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     while the model loads), stop it and the DB pool on shutdown."""
     state = app.state
     state.backend_start = asyncio.create_task(_start_backend(state.backend))
+    state.records.start()
+    state.admission.start()
     try:
         yield
     finally:
+        await state.admission.stop()
+        await state.records.stop()  # flush buffered request records
         if not state.backend_start.done():
             state.backend_start.cancel()
         with contextlib.suppress(BaseException):
@@ -82,11 +88,15 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.sessionmaker = make_sessionmaker(app.state.db_engine)
     app.state.auth_cache = AuthCache(ttl_s=settings.auth_cache_ttl_s)
     app.state.stats = RollingStats()
-    app.state.observers = [app.state.stats]  # gateway.observe: every request's outcome, once
+    app.state.admission = AdmissionController.from_settings(backend, app.state.sessionmaker, settings)
+    app.state.records = RecordWriter.from_settings(app.state.sessionmaker, settings)
+    # gateway.observe: every request's outcome, once
+    app.state.observers = [app.state.stats, app.state.admission, app.state.records]
     app.state.started_at = int(time.time())
 
     install_error_handlers(app)
-    for router in (health.router, models.router, chat.router, completions.router, engine.router):
+    for router in (health.router, models.router, chat.router, completions.router, engine.router, admin.router,
+                   usage.router):
         app.include_router(router)
     install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
     if settings.cors_origins:

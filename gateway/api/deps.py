@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Annotated, AsyncIterator, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache, Principal, key_digest
 from gateway.crud import keys as crud_keys
 from gateway.db.models import utcnow
-from gateway.errors import forbidden, from_validation_error, invalid_request, unauthorized
+from gateway.errors import forbidden, from_validation_error, invalid_request, overloaded, unauthorized
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from runtime.interface import Backend
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger(__name__)
 
 
 def get_settings(request: Request) -> Settings:
@@ -57,10 +60,21 @@ async def require_principal(request: Request) -> Principal:
     cache: AuthCache = state.auth_cache
     principal = cache.get(digest)
     if principal is None:
-        async with state.sessionmaker() as session:
-            principal = await crud_keys.authenticate(session, digest)
-        if principal is not None:
-            cache.put(digest, principal)
+        try:
+            async with state.sessionmaker() as session:
+                principal = await crud_keys.authenticate(session, digest)
+        except (SQLAlchemyError, OSError) as exc:  # database down: known keys keep working
+            principal = cache.get_stale(digest)
+            if principal is None:
+                raise overloaded("The key database is unavailable; try again shortly.", 2.0,
+                                 code="auth_unavailable") from None
+            log.warning("key lookup failed (%s); using the cached principal of tenant %s", type(exc).__name__,
+                        principal.tenant)
+        else:
+            if principal is not None:
+                cache.put(digest, principal)
+            else:
+                cache.invalidate(digest)
     if principal is None or (principal.expires_at is not None and principal.expires_at <= utcnow()):
         raise unauthorized("Incorrect API key provided, or the key was revoked or has expired.")
     return principal

@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.core.security import Principal
+from gateway.errors import APIError
 from gateway.formatters import Formatter
 from gateway.generation import SSEResponse, collect, sse_events, start_generation
 from gateway.observe import RequestContext
@@ -45,9 +46,23 @@ async def respond(
         key_id=principal.key_id,
         sla_target_tokens_per_s=gen_request.sla_target_tokens_per_s,
     )
-    stream = await start_generation(backend, gen_request, request, ctx, state.observers)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(sse_events(stream, fmt, include_usage))
-    text, finished = await collect(stream, request)
-    return JSONResponse(fmt.complete(text, finished))
+    admission = getattr(state, "admission", None)  # gateway.admission: limits, queue, SLA (429s)
+    ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
+    headers = ticket.headers if ticket is not None else {}  # x-ratelimit-*, also before the first SSE byte
+    gen_request.sla_target_tokens_per_s, gen_request.priority = ctx.sla_target_tokens_per_s, ctx.priority
+    try:
+        stream = await start_generation(backend, gen_request, request, ctx, state.observers)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response: Response = SSEResponse(sse_events(stream, fmt, include_usage))
+        else:
+            text, finished = await collect(stream, request)
+            response = JSONResponse(fmt.complete(text, finished))
+    except BaseException as exc:
+        if ticket is not None:
+            admission.release(ticket.request_id)  # no-op when an observer already saw the outcome
+        if isinstance(exc, APIError) and headers:
+            exc.headers = {**headers, **(exc.headers or {})}
+        raise
+    response.headers.update(headers)
+    return response

@@ -41,7 +41,21 @@ class Settings(BaseSettings):
         admin_token: optional extra bearer token accepted on every route (tenant ``admin``).
         model_name: public name of the served model (accepted as ``model`` alias).
         auth_cache_ttl_s: how long a successful key lookup is cached in-process (seconds);
-            a revoked key keeps working for at most this long in a running server.
+            a revoked key keeps working for at most this long in a running server. The
+            tenant/tier/key-limit cache uses the same TTL. While the database is down,
+            known keys keep working on their last cached values.
+        default_tier: the SLA tier of tenants without one (a missing tier = unlimited).
+        redis_url: optional ``redis://host:port/db`` sharing the rate-limit buckets between
+            replicas; unset → per-replica buckets.
+        record_buffer_max: request records buffered in memory while the database is slow
+            or down; beyond it records are dropped and counted (``RecordWriter.dropped``).
+        record_batch_size, record_flush_interval_s: records per insert, seconds between flushes.
+        record_retention_days: request records older than this are pruned (days).
+        rollup_retention_days: per-minute rollups older than this are pruned (days).
+        rollup_interval_s: how often touched minutes are re-aggregated (seconds).
+        sla_admission: hold requests that would push a higher-priority tier below its target.
+        admission_step_s: prior per-token decode step time (seconds) of the SLA speed model
+            before the engine has been measured.
     """
 
     model_config = SettingsConfigDict(env_prefix="SPARKGATE_", env_file=".env", extra="ignore")
@@ -65,6 +79,16 @@ class Settings(BaseSettings):
     admin_token: str | None = None
     model_name: str = "SmolLM2-135M-Instruct"
     auth_cache_ttl_s: float = 5.0
+    default_tier: str = "default"
+    redis_url: str | None = None
+    record_buffer_max: int = 10_000
+    record_batch_size: int = 500
+    record_flush_interval_s: float = 0.5
+    record_retention_days: float = 7.0
+    rollup_retention_days: float = 90.0
+    rollup_interval_s: float = 10.0
+    sla_admission: bool = True
+    admission_step_s: float = 0.02
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -69,9 +69,14 @@ class AuthCache:
             return None
         principal, deadline = hit
         if self._clock() >= deadline:
-            del self._entries[digest]
-            return None
+            return None  # kept for get_stale() until evicted
         return principal
+
+    def get_stale(self, digest: str) -> Principal | None:
+        """The last principal cached for ``digest``, even past its TTL: lets known keys keep
+        working while the database is down (revocations then wait for the database)."""
+        hit = self._entries.get(digest)
+        return None if hit is None else hit[0]
 
     def put(self, digest: str, principal: Principal) -> None:
         if self.ttl_s <= 0:

@@ -35,6 +35,8 @@ async def create_key(
     user_label: str | None = None,
     expires_at: datetime | None = None,
     token_budget: int | None = None,
+    rpm_limit: int | None = None,
+    tpm_limit: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key for ``tenant`` (created if missing) and commit.
 
@@ -50,6 +52,8 @@ async def create_key(
         user_label=user_label,
         expires_at=expires_at,
         token_budget=token_budget,
+        rpm_limit=rpm_limit,
+        tpm_limit=tpm_limit,
     )
     session.add(row)
     await session.commit()
@@ -103,6 +107,36 @@ async def revoke_key(session: AsyncSession, prefix_or_key: str, now: datetime | 
         raise AmbiguousPrefixError(f"{len(rows)} keys start with {prefix_or_key!r}; pass the full key")
     row = rows[0]
     if row.revoked_at is None:
+        row.revoked_at = now or utcnow()
+        await session.commit()
+    return row
+
+
+async def get_key(session: AsyncSession, key_id: int) -> ApiKey | None:
+    return await session.scalar(select(ApiKey).where(ApiKey.id == key_id))
+
+
+KEY_FIELDS = ("user_label", "expires_at", "token_budget", "rpm_limit", "tpm_limit")
+
+
+async def update_key(session: AsyncSession, key_id: int, **fields) -> ApiKey | None:
+    """Set ``user_label``, ``expires_at``, ``token_budget`` (tokens), ``rpm_limit``
+    (requests/min) or ``tpm_limit`` (tokens/min) of one key (``None`` clears); None if unknown."""
+    unknown = set(fields) - set(KEY_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown key fields: {sorted(unknown)}")
+    row = await get_key(session, key_id)
+    if row is not None:
+        for name, value in fields.items():
+            setattr(row, name, value)
+        await session.commit()
+    return row
+
+
+async def revoke_key_id(session: AsyncSession, key_id: int, now: datetime | None = None) -> ApiKey | None:
+    """Revoke by id (keeps the first ``revoked_at``); None when unknown."""
+    row = await get_key(session, key_id)
+    if row is not None and row.revoked_at is None:
         row.revoked_at = now or utcnow()
         await session.commit()
     return row

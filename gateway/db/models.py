@@ -61,7 +61,7 @@ class Tenant(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, server_default=func.now())
     tier_id: Mapped[int | None] = mapped_column(ForeignKey("sla_tiers.id", ondelete="SET NULL"), index=True)
 
-    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant")
+    keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", passive_deletes=True)
     tier: Mapped[SlaTier | None] = relationship(lazy="joined")
 
 

@@ -1,0 +1,294 @@
+"""Admin API ``/admin/v1/...`` (admin token only; tenant keys get 403): tiers, tenants,
+keys (a new key is shown once), request records, per-user tok/s series, acceptance
+and SLA attainment. Changes apply at once on this replica and within
+``auth_cache_ttl_s`` seconds on the others."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.api.deps import AdminPrincipal, get_session, require_admin
+from gateway.crud import keys as crud_keys
+from gateway.crud import records as crud_records
+from gateway.crud import tenants as crud_tenants
+from gateway.crud import tiers as crud_tiers
+from gateway.db.models import ApiKey, Tenant
+from gateway.errors import APIError, invalid_request
+from gateway.schemas.tenancy import (
+    KeyCreate, KeyCreated, KeyOut, KeyPatch, RecordOut, RecordPage, TenantCreate, TenantOut, TenantPatch,
+    TierCreate, TierLimits, TierOut,
+)
+
+router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)])
+Session = Annotated[AsyncSession, Depends(get_session)]
+
+
+def not_found(what: str) -> APIError:
+    return APIError(404, f"No such {what}.", "invalid_request_error", None, "not_found")
+
+
+def conflict(message: str) -> APIError:
+    return APIError(409, message, "invalid_request_error", None, "already_exists")
+
+
+def _changed(request: Request, digest: str | None = None) -> None:
+    """Forget cached policies (and a revoked key) on this replica right away."""
+    request.app.state.admission.policies.invalidate()
+    if digest is not None:
+        request.app.state.auth_cache.invalidate(digest)
+
+
+def utc(ts: datetime | None) -> datetime | None:
+    return ts.replace(tzinfo=timezone.utc) if ts is not None and ts.tzinfo is None else ts
+
+
+def window(since: datetime | None, until: datetime | None, default: timedelta = timedelta(hours=1)):
+    """``[since, until)`` in UTC; defaults: the last hour (naive datetimes are UTC)."""
+    until = utc(until) or datetime.now(timezone.utc) + timedelta(minutes=1)
+    since = utc(since) or until - default
+    if since >= until:
+        raise invalid_request("'since' must be before 'until'.", "since", "invalid_value")
+    return since, until
+
+
+def tenant_out(t: Tenant, default_tier: str) -> TenantOut:
+    name = t.tier.name if t.tier is not None else None
+    return TenantOut(name=t.name, tier=name, effective_tier=name or default_tier, created_at=t.created_at)
+
+
+def key_out(k: ApiKey, cls=KeyOut, **extra) -> KeyOut:
+    return cls(id=k.id, prefix=k.prefix, tenant=k.tenant.name, user=k.user_label, status=k.status(),
+               created_at=k.created_at, last_used_at=k.last_used_at, expires_at=k.expires_at,
+               revoked_at=k.revoked_at, token_budget=k.token_budget, tokens_used=k.tokens_used or 0,
+               rpm_limit=k.rpm_limit, tpm_limit=k.tpm_limit, **extra)
+
+
+# ---------------------------------------------------------------------- tiers
+@router.get("/tiers")
+async def list_tiers(session: Session) -> dict:
+    return {"object": "list", "data": [TierOut.model_validate(t) for t in await crud_tiers.list_tiers(session)]}
+
+
+@router.post("/tiers", status_code=201)
+async def create_tier(body: TierCreate, request: Request, session: Session) -> TierOut:
+    try:
+        row = await crud_tiers.create_tier(session, body.name, **body.model_dump(exclude={"name"}))
+    except crud_tiers.TierExistsError as exc:
+        raise conflict(str(exc)) from None
+    _changed(request)
+    return TierOut.model_validate(row)
+
+
+@router.get("/tiers/{name}")
+async def get_tier(name: str, session: Session) -> TierOut:
+    row = await crud_tiers.get_tier(session, name)
+    if row is None:
+        raise not_found("tier")
+    return TierOut.model_validate(row)
+
+
+@router.patch("/tiers/{name}")
+async def update_tier(name: str, body: TierLimits, request: Request, session: Session) -> TierOut:
+    """Only the fields present change; ``null`` clears a limit (unlimited)."""
+    row = await crud_tiers.update_tier(session, name, **body.model_dump(exclude_unset=True))
+    if row is None:
+        raise not_found("tier")
+    _changed(request)
+    return TierOut.model_validate(row)
+
+
+@router.delete("/tiers/{name}")
+async def delete_tier(name: str, request: Request, session: Session) -> dict:
+    if not await crud_tiers.delete_tier(session, name):
+        raise not_found("tier")
+    _changed(request)
+    return {"name": name, "deleted": True}
+
+
+# ---------------------------------------------------------------------- tenants
+@router.get("/tenants")
+async def list_tenants(request: Request, session: Session) -> dict:
+    default = request.app.state.settings.default_tier
+    return {"object": "list", "data": [tenant_out(t, default) for t in await crud_tenants.list_tenants(session)]}
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: TenantCreate, request: Request, session: Session) -> TenantOut:
+    try:
+        row = await crud_tenants.create_tenant(session, body.name, body.tier)
+    except crud_tenants.TenantExistsError as exc:
+        raise conflict(str(exc)) from None
+    except crud_tenants.UnknownTierError as exc:
+        raise invalid_request(str(exc), "tier", "unknown_tier") from None
+    _changed(request)
+    return tenant_out(row, request.app.state.settings.default_tier)
+
+
+@router.get("/tenants/{name}")
+async def get_tenant(name: str, request: Request, session: Session) -> TenantOut:
+    row = await crud_tenants.get_tenant(session, name)
+    if row is None:
+        raise not_found("tenant")
+    return tenant_out(row, request.app.state.settings.default_tier)
+
+
+@router.patch("/tenants/{name}")
+async def set_tenant_tier(name: str, body: TenantPatch, request: Request, session: Session) -> TenantOut:
+    try:
+        row = await crud_tenants.set_tier(session, name, body.tier)
+    except crud_tenants.UnknownTierError as exc:
+        raise invalid_request(str(exc), "tier", "unknown_tier") from None
+    if row is None:
+        raise not_found("tenant")
+    _changed(request)
+    return tenant_out(row, request.app.state.settings.default_tier)
+
+
+@router.delete("/tenants/{name}")
+async def delete_tenant(name: str, request: Request, session: Session) -> dict:
+    """Deletes the tenant and its keys (records are kept)."""
+    if not await crud_tenants.delete_tenant(session, name):
+        raise not_found("tenant")
+    request.app.state.auth_cache.invalidate()
+    _changed(request)
+    return {"name": name, "deleted": True}
+
+
+# ---------------------------------------------------------------------- keys
+@router.get("/keys")
+async def list_keys(session: Session, tenant: str | None = None) -> dict:
+    rows = await crud_keys.list_keys(session)
+    return {"object": "list", "data": [key_out(k) for k in rows if tenant is None or k.tenant.name == tenant]}
+
+
+@router.post("/keys", status_code=201)
+async def create_key(body: KeyCreate, request: Request, session: Session) -> KeyCreated:
+    """Creates the tenant if needed. The plaintext ``key`` is in this response only."""
+    row, plaintext = await crud_keys.create_key(session, body.tenant, body.user, utc(body.expires_at),
+                                                body.token_budget, body.rpm_limit, body.tpm_limit)
+    return key_out(row, KeyCreated, key=plaintext)
+
+
+async def _key(session: AsyncSession, key_id: int) -> ApiKey:
+    row = await crud_keys.get_key(session, key_id)
+    if row is None:
+        raise not_found("key")
+    return row
+
+
+@router.get("/keys/{key_id}")
+async def get_key(key_id: int, session: Session) -> KeyOut:
+    return key_out(await _key(session, key_id))
+
+
+@router.patch("/keys/{key_id}")
+async def update_key(key_id: int, body: KeyPatch, request: Request, session: Session) -> KeyOut:
+    fields = body.model_dump(exclude_unset=True)
+    if "user" in fields:
+        fields["user_label"] = fields.pop("user")
+    if "expires_at" in fields:
+        fields["expires_at"] = utc(fields["expires_at"])
+    row = await crud_keys.update_key(session, key_id, **fields)
+    if row is None:
+        raise not_found("key")
+    _changed(request, row.digest)
+    return key_out(await _key(session, key_id))
+
+
+@router.post("/keys/{key_id}/revoke")
+async def revoke_key(key_id: int, request: Request, session: Session) -> KeyOut:
+    """Revoked at once on this replica, within ``auth_cache_ttl_s`` on the others."""
+    row = await crud_keys.revoke_key_id(session, key_id)
+    if row is None:
+        raise not_found("key")
+    _changed(request, row.digest)
+    return key_out(row)
+
+
+# ---------------------------------------------------------------------- records and stats
+Status = Literal["finished", "failed", "cancelled", "rejected"]
+
+
+async def record_page(session: AsyncSession, *, limit: int, cursor: str | None, **filters) -> RecordPage:
+    try:
+        rows, nxt = await crud_records.query_records(session, limit=limit, cursor=cursor, **filters)
+    except ValueError:
+        raise invalid_request("Invalid cursor.", "cursor", "invalid_value") from None
+    return RecordPage(data=[RecordOut.model_validate(r) for r in rows], has_more=nxt is not None, next_cursor=nxt)
+
+
+@router.get("/requests")
+async def list_requests(
+    session: Session, tenant: str | None = None, user: str | None = None, tier: str | None = None,
+    status: Status | None = None, since: datetime | None = None, until: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None,
+) -> RecordPage:
+    """Request records, newest first; ``since <= finished_at < until`` (ISO 8601, UTC
+    when naive). Page with ``cursor=next_cursor``."""
+    return await record_page(session, tenant=tenant, user=user, tier=tier, status=status, since=utc(since),
+                             until=utc(until), limit=limit, cursor=cursor)
+
+
+@router.get("/requests/{record_id}")
+async def get_request(record_id: str, session: Session) -> RecordOut:
+    row = await crud_records.get_record(session, record_id)
+    if row is None:
+        raise not_found("request record")
+    return RecordOut.model_validate(row)
+
+
+@router.get("/usage/tokens_per_s")
+async def tokens_per_s_series(
+    session: Session, tenant: str | None = None, user: str | None = None, tier: str | None = None,
+    since: datetime | None = None, until: datetime | None = None,
+) -> dict:
+    """Per-user tok/s per minute (median of the user's per-request decode tok/s in
+    that minute) from the rollups; default window: the last hour."""
+    since, until = window(since, until)
+    rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant, user=user, tier=tier)
+    return {"object": "list", "since": since, "until": until, "bucket_s": 60, "data": crud_records.user_series(rows)}
+
+
+@router.get("/stats/acceptance")
+async def acceptance(
+    session: Session, group_by: Literal["tenant", "model", "tier"] = "tenant", tenant: str | None = None,
+    since: datetime | None = None, until: datetime | None = None,
+) -> dict:
+    """Speculative acceptance per tenant/model/tier, with per-position acceptance."""
+    since, until = window(since, until, timedelta(days=1))
+    rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant)
+    return {"object": "list", "since": since, "until": until, "data": crud_records.acceptance(rows, group_by)}
+
+
+@router.get("/stats/sla")
+async def sla(session: Session, since: datetime | None = None, until: datetime | None = None) -> dict:
+    """SLA attainment per tier (requests and user-minutes meeting the tok/s target)."""
+    since, until = window(since, until, timedelta(days=1))
+    rows = await crud_records.rollups(session, since=since, until=until)
+    return {"object": "list", "since": since, "until": until, "data": crud_records.sla_attainment(rows)}
+
+
+@router.post("/rollups/refresh")
+async def refresh_rollups(request: Request) -> Response:
+    """Write buffered records and recompute touched rollups now (normally periodic)."""
+    await request.app.state.records.flush()
+    return Response(status_code=204)
+
+
+@router.get("/tenancy/status")
+async def tenancy_status(_: AdminPrincipal, request: Request) -> dict:
+    """Record-writer counters and live admission state of this replica."""
+    state = request.app.state
+    w, a = state.records, state.admission
+    return {
+        "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped,
+                    "write_errors": w.write_errors, "last_error": w.last_error},
+        "admission": {"active": {t: n for t, n in a.tenant_active.items() if n},
+                      "waiting": len(a._waiters), "rejections": dict(a.rejections),
+                      "predicted_tokens_per_s_at_1": a.model.predict(1),
+                      "rate_limit_store_errors": a.limiter.store_errors},
+    }

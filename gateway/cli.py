@@ -1,9 +1,17 @@
 """``sparkgate`` command line: serve, manage API keys, migrate the database.
 
     sparkgate serve [--host H] [--port P]   migrate, create a first key if none exists, run uvicorn
-    sparkgate keys create --tenant NAME [--user LABEL]   print a new key (once)
+    sparkgate keys create --tenant NAME [--user LABEL] [--budget TOKENS] [--rpm N] [--tpm N]
+                                            print a new key (once)
     sparkgate keys list
     sparkgate keys revoke PREFIX            prefix as shown by `keys list` (or the full key)
+    sparkgate tiers create NAME [--min-tps X] [--max-concurrent N] [--rpm N] [--tpm N]
+                                [--priority P] [--max-queue-wait S]
+    sparkgate tiers update NAME [same options; "none" clears a limit]
+    sparkgate tiers list
+    sparkgate tenants create NAME [--tier T]
+    sparkgate tenants set-tier NAME TIER    TIER "default" → the default tier
+    sparkgate tenants list
     sparkgate db upgrade [REV]              default: head
     sparkgate db downgrade REV              e.g. base
 
@@ -22,6 +30,8 @@ from typing import Callable
 
 from gateway.core.config import Settings
 from gateway.crud import keys as crud_keys
+from gateway.crud import tenants as crud_tenants
+from gateway.crud import tiers as crud_tiers
 from gateway.db import migrate
 from gateway.db.session import make_engine, make_sessionmaker
 
@@ -92,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     async def run(session):
-        row, plaintext = await crud_keys.create_key(session, args.tenant, args.user)
+        row, plaintext = await crud_keys.create_key(session, args.tenant, args.user, token_budget=args.budget,
+                                                    rpm_limit=args.rpm, tpm_limit=args.tpm)
         return row.prefix, plaintext
 
     prefix, plaintext = asyncio.run(_with_session(run))
@@ -103,15 +114,16 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
     rows = asyncio.run(_with_session(crud_keys.list_keys))
-    fmt = "{:<14} {:<20} {:<16} {:<8} {:<20} {:<20}"
-    print(fmt.format("PREFIX", "TENANT", "USER", "STATUS", "CREATED", "LAST USED"))
+    fmt = "{:<5} {:<14} {:<20} {:<16} {:<8} {:<20} {:<20} {:>12} {:>12}"
+    print(fmt.format("ID", "PREFIX", "TENANT", "USER", "STATUS", "CREATED", "LAST USED", "TOKENS USED", "BUDGET"))
 
     def ts(value):
         return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
     for row in rows:
-        print(fmt.format(row.prefix, row.tenant.name, row.user_label or "-", row.status(),
-                         ts(row.created_at), ts(row.last_used_at)))
+        print(fmt.format(row.id, row.prefix, row.tenant.name, row.user_label or "-", row.status(),
+                         ts(row.created_at), ts(row.last_used_at), row.tokens_used or 0,
+                         "-" if row.token_budget is None else row.token_budget))
     return 0
 
 
@@ -126,6 +138,110 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         return 1
     print(f"revoked {row.prefix} (tenant {row.tenant.name!r})")
     _note("A running server stops accepting it within its auth cache TTL (default 5 s).")
+    return 0
+
+
+TIER_OPTIONS = (("--min-tps", "min_tokens_per_s", float, "decode tokens/s promised per user"),
+                ("--max-concurrent", "max_concurrent", int, "requests in the engine per tenant"),
+                ("--rpm", "rpm", int, "requests per minute per tenant"),
+                ("--tpm", "tpm", int, "tokens per minute per tenant (prompt + max_tokens)"),
+                ("--priority", "priority", int, "larger = more important"),
+                ("--max-queue-wait", "max_queue_wait_s", float, "seconds a request may wait before 429"))
+
+
+def _optional(kind: type) -> Callable[[str], object]:
+    """Parse a number, or ``none`` (clear the limit)."""
+
+    def parse(text: str) -> object:
+        return _CLEAR if text.lower() in ("none", "null", "unlimited") else kind(text)
+
+    return parse
+
+
+_CLEAR = object()
+
+
+def _tier_fields(args: argparse.Namespace) -> dict:
+    out = {}
+    for _, dest, _, _ in TIER_OPTIONS:
+        value = getattr(args, dest)
+        if value is not None:
+            out[dest] = None if value is _CLEAR else value
+    return out
+
+
+def _print_tiers(rows) -> None:
+    fmt = "{:<16} {:>8} {:>8} {:>10} {:>8} {:>10} {:>10}"
+    print(fmt.format("TIER", "PRIORITY", "MIN TPS", "CONCURRENT", "RPM", "TPM", "MAX WAIT"))
+
+    def v(x):
+        return "-" if x is None else f"{x:g}"
+
+    for t in rows:
+        print(fmt.format(t.name, t.priority, v(t.min_tokens_per_s), v(t.max_concurrent), v(t.rpm), v(t.tpm),
+                         f"{t.max_queue_wait_s:g}s"))
+
+
+def _run_tier_cmd(fn: Callable, args: argparse.Namespace) -> int:
+    try:
+        row = asyncio.run(_with_session(lambda s: fn(s, args.name, **_tier_fields(args))))
+    except ValueError as exc:
+        _note(f"error: {exc}")
+        return 2
+    if row is None:
+        _note(f"error: no tier named {args.name!r}")
+        return 1
+    _print_tiers([row])
+    return 0
+
+
+def cmd_tiers_create(args: argparse.Namespace) -> int:
+    return _run_tier_cmd(crud_tiers.create_tier, args)
+
+
+def cmd_tiers_update(args: argparse.Namespace) -> int:
+    rc = _run_tier_cmd(crud_tiers.update_tier, args)
+    if rc == 0:
+        _note(f"Running servers apply it within their cache TTL ({Settings().auth_cache_ttl_s:g} s).")
+    return rc
+
+
+def cmd_tiers_list(args: argparse.Namespace) -> int:
+    _print_tiers(asyncio.run(_with_session(crud_tiers.list_tiers)))
+    return 0
+
+
+def cmd_tenants_create(args: argparse.Namespace) -> int:
+    try:
+        row = asyncio.run(_with_session(lambda s: crud_tenants.create_tenant(s, args.name, args.tier)))
+    except (crud_tenants.TenantExistsError, crud_tenants.UnknownTierError) as exc:
+        _note(f"error: {exc}")
+        return 1
+    print(f"created tenant {row.name!r} (tier {row.tier.name if row.tier else 'default'})")
+    return 0
+
+
+def cmd_tenants_set_tier(args: argparse.Namespace) -> int:
+    tier = None if args.tier == Settings().default_tier else args.tier
+    try:
+        row = asyncio.run(_with_session(lambda s: crud_tenants.set_tier(s, args.name, tier)))
+    except crud_tenants.UnknownTierError as exc:
+        _note(f"error: {exc}")
+        return 1
+    if row is None:
+        _note(f"error: no tenant named {args.name!r}")
+        return 1
+    print(f"tenant {row.name!r} is now in tier {row.tier.name if row.tier else args.tier!r}")
+    return 0
+
+
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    default = Settings().default_tier
+    fmt = "{:<24} {:<16} {:<20}"
+    print(fmt.format("TENANT", "TIER", "CREATED"))
+    for t in asyncio.run(_with_session(crud_tenants.list_tenants)):
+        tier = t.tier.name if t.tier else f"({default})"
+        print(fmt.format(t.name, tier, t.created_at.strftime("%Y-%m-%d %H:%M:%S")))
     return 0
 
 
@@ -154,11 +270,35 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys.add_parser("create", help="create a key and print it once")
     create.add_argument("--tenant", required=True)
     create.add_argument("--user", default=None, help="user label stored with the key")
+    create.add_argument("--budget", type=int, default=None, help="total tokens this key may use")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute for this key")
+    create.add_argument("--tpm", type=int, default=None, help="tokens per minute for this key")
     create.set_defaults(func=cmd_keys_create)
     keys.add_parser("list", help="list keys (prefixes only)").set_defaults(func=cmd_keys_list)
     revoke = keys.add_parser("revoke", help="revoke a key by its prefix")
     revoke.add_argument("prefix")
     revoke.set_defaults(func=cmd_keys_revoke)
+
+    tiers = sub.add_parser("tiers", help="manage SLA tiers").add_subparsers(dest="tiers_command", required=True)
+    for name, func, helptext in (("create", cmd_tiers_create, "create a tier"),
+                                 ("update", cmd_tiers_update, "change a tier (none clears a limit)")):
+        p = tiers.add_parser(name, help=helptext)
+        p.add_argument("name")
+        for flag, dest, kind, h in TIER_OPTIONS:
+            p.add_argument(flag, dest=dest, type=_optional(kind), default=None, help=h)
+        p.set_defaults(func=func)
+    tiers.add_parser("list", help="list tiers").set_defaults(func=cmd_tiers_list)
+
+    tenants = sub.add_parser("tenants", help="manage tenants").add_subparsers(dest="tenants_command", required=True)
+    tc = tenants.add_parser("create", help="create a tenant")
+    tc.add_argument("name")
+    tc.add_argument("--tier", default=None)
+    tc.set_defaults(func=cmd_tenants_create)
+    st = tenants.add_parser("set-tier", help="put a tenant in a tier")
+    st.add_argument("name")
+    st.add_argument("tier")
+    st.set_defaults(func=cmd_tenants_set_tier)
+    tenants.add_parser("list", help="list tenants and their tiers").set_defaults(func=cmd_tenants_list)
 
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_command", required=True)
     up = db.add_parser("upgrade", help="migrate up (default: head)")

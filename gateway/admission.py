@@ -457,7 +457,7 @@ class AdmissionController:
         if ticket is None:
             return
         self.tenant_active[ticket.tenant] -= 1
-        used = 0 if outcome is None else outcome.prompt_tokens + outcome.completion_tokens
+        used = 0 if outcome is None or outcome.status == REJECTED else outcome.prompt_tokens + outcome.completion_tokens
         self.policies.note_usage(ticket.key_id, used)
         if ticket.grant is not None:
             task = asyncio.get_running_loop().create_task(ticket.grant.settle(used))

@@ -31,7 +31,7 @@ def minute_of(ts: datetime) -> datetime:
 # ------------------------------------------------------------------ writing
 async def insert_records(session: AsyncSession, rows: list[dict]) -> int:
     """Insert ``rows`` (dicts of :class:`RequestRecord` columns) and add their tokens to
-    ``api_keys.tokens_used``; commit. Rows whose id already exists are skipped (a batch
+    ``api_keys.tokens_used`` (rejected requests cost nothing); commit. Rows whose id already exists are skipped (a batch
     retried after a lost commit acknowledgement is not double counted). Returns the
     number inserted."""
     if not rows:
@@ -43,7 +43,7 @@ async def insert_records(session: AsyncSession, rows: list[dict]) -> int:
         await session.execute(insert(RequestRecord), new)
         used: dict[int, int] = defaultdict(int)
         for r in new:
-            if r.get("key_id") is not None:
+            if r.get("key_id") is not None and r["status"] != "rejected":  # a refused request costs nothing
                 used[r["key_id"]] += r["prompt_tokens"] + r["completion_tokens"]
         for key_id, tokens in used.items():
             await session.execute(update(ApiKey).where(ApiKey.id == key_id)

@@ -1,0 +1,253 @@
+"""Admission: per-tenant concurrency under real concurrency, queue timeouts, token
+budgets, the SLA-aware priority queue and the speed model behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.admission import AdmissionController, SpeedModel, TierPolicy
+from gateway.crud import records as crud_records
+from gateway.db.models import RequestRecord
+from gateway.generation import ClientDisconnected
+from gateway.observe import RequestContext
+from runtime.dspark.sps import SpsTable
+from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
+from tests.fakes import FakeBackend
+from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
+from tests.tenancy_fixtures import (  # noqa: F401
+    ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, running_app, sqlite_db,
+)
+
+
+async def rows(app, **filters) -> list[RequestRecord]:
+    await app.state.records.flush()
+    async with app.state.sessionmaker() as s:
+        return (await crud_records.query_records(s, limit=1000, **filters))[0]
+
+
+async def test_fifty_simultaneous_requests_never_more_than_five_in_the_engine(sqlite_db):
+    backend = CountingBackend(token_delay_s=0.01)
+    async with running_app(sqlite_db, backend) as (app, client):
+        await admin_setup(client, {"five": {"max_concurrent": 5, "max_queue_wait_s": 60}}, {"acme": "five"})
+        key = await new_key(client, "acme", "alice")
+        t0 = time.monotonic()
+        rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(stream=i % 2 == 0),
+                                                headers=bearer(key)) for i in range(50)))
+        elapsed = time.monotonic() - t0
+        assert [r.status_code for r in rs] == [200] * 50
+        assert backend.peak == 5  # the limit was reached and never exceeded
+        assert len(backend.completed) == 50
+        # 7 tokens × 10 ms per request, 10 waves of 5 → at least ~0.6 s: requests really queued
+        assert elapsed > 0.5
+        recs = await rows(app, tenant="acme")
+        assert len(recs) == 50 and {r.status for r in recs} == {"finished"}
+        waits = sorted(r.admission_wait_s for r in recs)
+        assert waits[0] < 0.2 and waits[-1] > 0.4  # the first wave went straight in, the last waited
+        assert app.state.admission.tenant_active["acme"] == 0
+
+
+async def test_queue_timeout_is_a_429_with_retry_after_and_a_rejected_record(sqlite_db):
+    backend = FakeBackend(token_delay_s=0.1)  # a 7-token request takes ~0.7 s
+    async with running_app(sqlite_db, backend) as (app, client):
+        await admin_setup(client, {"one": {"max_concurrent": 1, "max_queue_wait_s": 0.2}}, {"solo": "one"})
+        key = await new_key(client, "solo")
+        slow = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(key)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        r = await client.post("/v1/chat/completions", json=chat(stream=True), headers=bearer(key))
+        waited = time.monotonic() - t0
+        assert r.status_code == 429 and 0.2 <= waited < 0.6
+        err = r.json()["error"]
+        assert err["type"] == "requests" and err["code"] == "concurrency_limit_exceeded"
+        assert "max_concurrent" in err["message"] and "'solo'" in err["message"]
+        assert r.headers["retry-after"] == "1"
+        assert (await slow).status_code == 200
+        recs = await rows(app, tenant="solo")
+        assert sorted(r.status for r in recs) == ["finished", "rejected"]
+        rejected = next(r for r in recs if r.status == "rejected")
+        assert rejected.error_code == "concurrency_limit_exceeded" and rejected.admission_wait_s >= 0.2
+        assert rejected.completion_tokens == 0 and rejected.tier == "one"
+
+
+async def test_token_budget_is_enforced_and_counted_in_the_db(sqlite_db):
+    async with running_app(sqlite_db) as (app, client):
+        key = await new_key(client, "acme", "bob", token_budget=30)
+        first = await client.post("/v1/chat/completions", json=chat("hi"), headers=bearer(key))
+        used = first.json()["usage"]["total_tokens"]
+        assert first.status_code == 200 and used == 7 + 6  # prompt "hi" templated = 6 tokens, 7 completion
+        second = await client.post("/v1/chat/completions", json=chat("hi"), headers=bearer(key))
+        assert second.status_code == 200  # 13 < 30
+        third = await client.post("/v1/chat/completions", json=chat("hi"), headers=bearer(key))
+        assert third.status_code == 200  # 26 < 30: the last request may overshoot
+        r = await client.post("/v1/chat/completions", json=chat("hi"), headers=bearer(key))
+        assert r.status_code == 429
+        assert r.json()["error"]["type"] == "insufficient_quota" and r.json()["error"]["code"] == "insufficient_quota"
+        await app.state.records.flush()
+        listing = (await client.get("/admin/v1/keys", headers=ADMIN_HEADERS)).json()["data"]
+        assert listing[0]["tokens_used"] == 39 and listing[0]["token_budget"] == 30
+
+
+# ------------------------------------------------------------------ SLA admission
+def sla_app_setup(app, per_request_tps):
+    """Replace the speed model's prediction by a known curve (tok/s at batch size n)."""
+    app.state.admission.model.predict = per_request_tps
+
+
+async def test_sla_admission_holds_lower_priority_until_the_gold_request_ends(sqlite_db):
+    backend = FakeBackend(token_delay_s=0.05)  # gold request: 7 tokens ≈ 0.35 s
+    async with running_app(sqlite_db, backend) as (app, client):
+        await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
+                                   "bronze": {"priority": 0, "max_queue_wait_s": 5}},
+                          {"acme": "gold", "initech": "bronze"})
+        gold, bronze = await new_key(client, "acme", "g"), await new_key(client, "initech", "b")
+        sla_app_setup(app, lambda n: 30.0 / n)  # 1 request: 30 tok/s; 2 requests: 15 < 20
+        g = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(gold)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        b = await client.post("/v1/chat/completions", json=chat(), headers=bearer(bronze))
+        assert b.status_code == 200 and (await g).status_code == 200
+        assert time.monotonic() - t0 > 0.25  # bronze waited for gold to finish
+        assert backend.requests[0].sla_target_tokens_per_s == 20 and backend.requests[0].priority == 10
+        assert backend.requests[1].sla_target_tokens_per_s is None and backend.requests[1].priority == 0
+        recs = {r.tier: r for r in await rows(app)}
+        assert recs["bronze"].admission_wait_s > 0.25 and recs["gold"].admission_wait_s < 0.05
+        assert recs["gold"].predicted_tokens_per_s == 30.0 and recs["bronze"].predicted_tokens_per_s == 30.0
+
+
+async def test_sla_admission_times_out_with_a_clear_429_and_never_blocks_higher_tiers(sqlite_db):
+    backend = FakeBackend(token_delay_s=0.1)
+    async with running_app(sqlite_db, backend) as (app, client):
+        await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
+                                   "bronze": {"priority": 0, "max_queue_wait_s": 0.2}},
+                          {"acme": "gold", "initech": "bronze"})
+        gold, bronze = await new_key(client, "acme"), await new_key(client, "initech")
+        sla_app_setup(app, lambda n: 30.0 / n)
+        g1 = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(gold)))
+        await asyncio.sleep(0.05)
+        b = await client.post("/v1/chat/completions", json=chat(), headers=bearer(bronze))
+        assert b.status_code == 429
+        err = b.json()["error"]
+        assert err["code"] == "sla_capacity_exceeded" and err["type"] == "requests"
+        assert "predicted 15.0 tok/s" in err["message"] and "tier 'bronze'" in err["message"]
+        g2 = await client.post("/v1/chat/completions", json=chat(), headers=bearer(gold))  # same priority: admitted
+        assert g2.status_code == 200 and (await g1).status_code == 200
+        assert app.state.admission.rejections["sla_capacity_exceeded"] == 1
+
+
+async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
+    """One slot (SLA hold on everything below gold): queued bronze and silver requests
+    are admitted silver first, bronze in arrival order."""
+    backend = FakeBackend(token_delay_s=0.1)
+    async with running_app(sqlite_db, backend) as (app, client):
+        await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
+                                   "silver": {"priority": 5, "max_queue_wait_s": 10},
+                                   "bronze": {"priority": 0, "max_queue_wait_s": 10}},
+                          {"g": "gold", "s": "silver", "b": "bronze"})
+        keys = {t: await new_key(client, t) for t in "gsb"}
+        sla_app_setup(app, lambda n: 30.0 / n if n > 1 else 30.0)
+        order = []
+        orig = backend.generate
+
+        def spy(req):
+            order.append(req.tenant)
+            return orig(req)
+
+        backend.generate = spy
+        gold = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys["g"])))
+        await asyncio.sleep(0.03)
+        queued = []
+        for i, t in enumerate(("b", "s", "b")):
+            queued.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys[t]))))
+            while len(app.state.admission._waiters) < i + 1:  # queued in this order
+                await asyncio.sleep(0.005)
+        assert not gold.done() and [w.tenant for w in app.state.admission._waiters] == ["s", "b", "b"]
+        await gold
+        assert all(r.status_code == 200 for r in await asyncio.gather(*queued))
+        # when gold ends every waiter is admissible; the pump grants them in priority order
+        assert order == ["g", "s", "b", "b"]
+
+
+async def test_client_leaving_while_queued_is_reported_cancelled_once():
+    from tests.test_gateway_observe import Recorder
+
+    backend = FakeBackend()
+    ctl = AdmissionController(backend, sessionmaker=None)
+    ctl.tenant_active["t"] = 1  # the tenant's only slot is taken
+    tier = TierPolicy("one", max_concurrent=1, max_queue_wait_s=30)
+
+    async def get_policy(tenant, key_id):
+        from gateway.admission import Policy
+
+        return Policy(tier, None)
+
+    ctl.policies.get = get_policy
+
+    class LeavingRequest:
+        async def receive(self):
+            await asyncio.sleep(0.1)
+            return {"type": "http.disconnect"}
+
+    from gateway.core.security import Principal
+
+    rec = Recorder()
+    ctx = RequestContext("r1", "chat", "m", False, prompt_tokens=3, max_tokens=5, tenant="t")
+    t0 = time.monotonic()
+    with pytest.raises(ClientDisconnected):
+        await ctl.admit(LeavingRequest(), Principal(tenant="t", key_id=1), ctx, [rec, ctl])
+    assert time.monotonic() - t0 < 1.0
+    assert [o.status for o in rec.outcomes] == ["cancelled"] and ctl._waiters == []
+    assert ctl.tenant_active["t"] == 1 and ctl.active == {}
+
+
+# ------------------------------------------------------------------ speed model
+class LoadBackend(FakeBackend):
+    snapshot: LoadSnapshot = LoadSnapshot(0, 0, 16, 0)
+    spec: SpecInfo = SpecInfo("none")
+
+    def load(self):
+        return self.snapshot
+
+    def spec_info(self):
+        return self.spec
+
+
+def test_speed_model_affine_fit_from_live_step_rate():
+    b = LoadBackend()
+    now = [0.0]
+    m = SpeedModel(b, prior_step_s=0.02, clock=lambda: now[0])
+    assert m.predict(1) == pytest.approx(50.0) and m.predict(3) == pytest.approx(1 / (0.02 * 1.1))  # prior, β = 0.05
+    steps = 0
+
+    def run(n, step_s, k=5):
+        nonlocal steps
+        for _ in range(k):
+            b.snapshot = LoadSnapshot(n, 0, 16, steps)
+            m.sample()
+            now[0] += 0.1
+            steps += round(0.1 / step_s)
+        b.snapshot = LoadSnapshot(0, 0, 16, steps)  # idle gap: the next interval is not a sample
+        m.sample()
+        now[0] += 5.0
+
+    run(2, 0.010)  # one batch size seen: β through it
+    assert m.predict(2) == pytest.approx(100.0) and m.predict(4) == pytest.approx(1 / (0.010 * 1.15 / 1.05))
+    run(6, 0.020)  # two sizes: step = 0.005 + 0.0025·n
+    assert m.predict(2) == pytest.approx(100.0) and m.predict(6) == pytest.approx(50.0)
+    assert m.predict(10) == pytest.approx(1 / 0.030)
+
+
+def test_speed_model_uses_the_sps_table_tau_and_draft_length():
+    table = SpsTable([1, 4, 16], [256], [[100.0, 80.0, 40.0]])
+    b = LoadBackend()
+    b.spec = SpecInfo("dspark", "dspark-sla", 3, table.to_dict())
+    b.set_ready(True)  # the table is read once the backend runs
+    m = SpeedModel(b)
+    # before any request: τ = 1, ℓ = γ = 3 → B = 4n
+    assert m.predict(1) == pytest.approx(80.0) and m.predict(4) == pytest.approx(40.0)
+    m.observe(SpecStats(rounds=10, drafted=10, verified=10, accepted=15, emitted=25))  # τ 2.5, ℓ 1
+    assert m.tau == 2.5 and m.draft_len == 1.0
+    assert m.predict(2) == pytest.approx(2.5 * 80.0)  # B = 4
+    assert m.predict(8) == pytest.approx(2.5 * 40.0)  # B = 16

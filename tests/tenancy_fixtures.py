@@ -19,7 +19,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from gateway.db.migrate import upgrade, upgrade_async
+from gateway.db.migrate import upgrade
 from gateway.db.session import make_engine
 from gateway.main import create_app
 from tests.fakes import FakeBackend
@@ -73,14 +73,14 @@ async def reset_postgres(url: str) -> None:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-async def tenancy_db(request, tmp_path, migrated_template) -> str:  # noqa: F811
+def tenancy_db(request, tmp_path, migrated_template) -> str:  # noqa: F811
     """A migrated, empty database URL: SQLite, then Postgres."""
     if request.param == "sqlite":
         path = tmp_path / "tenancy.db"
         shutil.copy(migrated_template, path)
         return sqlite_url(path)
     url = request.getfixturevalue("pg_tenancy_url")
-    await reset_postgres(url)
+    asyncio.run(reset_postgres(url))
     return url
 
 

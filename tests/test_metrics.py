@@ -8,6 +8,7 @@ on a difference (after − before)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from contextlib import asynccontextmanager
@@ -259,13 +260,13 @@ def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer
     from runtime.interface import Finished, GenerationRequest, SamplingParams
 
     finals = {}
-    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=3, max_context=512, spec_method=spec_method,
+    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=3, max_context=256, spec_method=spec_method,
                                     num_speculative_tokens=4),
                        lambda rid, ev: finals.__setitem__(rid, ev) if isinstance(ev, Finished) else None,
                        model=target_fp32, tokenizer=tokenizer)
     texts = ["Count from one to twenty: one, two, three,", "Repeat: a b c a b c a b c", "Hello"]
     for i, text in enumerate(texts):
-        engine.add_request(GenerationRequest(str(i), tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+        engine.add_request(GenerationRequest(str(i), tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     while engine.has_work():
         engine.step()
     assert engine.forward_steps >= engine.decode_steps > 0
@@ -274,3 +275,101 @@ def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer
     else:  # B = Σ_r (1 + ℓ_r): per request, one anchor per round plus its verified drafts
         assert engine.verify_tokens == sum(f.spec.rounds + f.spec.verified for f in finals.values())
         assert any(f.spec.verified for f in finals.values())
+
+
+# -- the live gateway (real model, one shared server) --------------------------------------------
+
+def live_metrics(live) -> dict:
+    """``{(name, frozenset(labels)): value}`` of the live server's /metrics."""
+    text = httpx.get(live.base_url + "/metrics", headers=live.headers(live.admin_token), timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def live_sum(snapshot: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in snapshot.items() if n == name and labels.items() <= dict(lab).items())
+
+
+def eventually_equal(fn, want, what: str, timeout_s: float = 20.0):
+    """Observers run right after a stream's last byte, so poll briefly."""
+    deadline = time.monotonic() + timeout_s
+    while (got := fn()) != want:
+        assert time.monotonic() < deadline, f"{what}: {got} != {want}"
+        time.sleep(0.2)
+
+
+def wait_idle(live) -> None:
+    def busy():
+        load = httpx.get(live.base_url + "/admin/v1/engine", headers=live.headers(live.admin_token), timeout=10).json()
+        return load["running"] + load["waiting"]
+    eventually_equal(busy, 0, "engine busy")
+
+
+@pytest.mark.model
+def test_live_metrics_agree_with_responses(live_server):
+    live, tenant = live_server, {"tenant": "e2e-tenant"}
+    wait_idle(live)
+    before = live_metrics(live)
+    usages = []
+    for i, stream in enumerate((False, True, False, True)):
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 5 + i, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Write a long poem about rivers, part {i}."}], "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=live.headers(), timeout=300)
+        assert r.status_code == 200
+        final = r.json() if not stream else json.loads(r.text.split("data: ")[-2])
+        usages.append(final["usage"])
+        if not stream:
+            assert final["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(live.base_url + "/v1/chat/completions", headers=live.headers(), timeout=30,
+                   json={"model": "gpt-nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    completion = sum(u["completion_tokens"] for u in usages)
+    assert [u["completion_tokens"] for u in usages] == [5, 6, 7, 8]
+
+    def delta(name, **labels):
+        return live_sum(live_metrics(live), name, **labels) - live_sum(before, name, **labels)
+
+    eventually_equal(lambda: delta("sparkgate:generation_tokens_total", **tenant), completion, "generation tokens")
+    after = live_metrics(live)
+    d = lambda name, **labels: live_sum(after, name, **labels) - live_sum(before, name, **labels)  # noqa: E731
+    assert d("sparkgate:prompt_tokens_total", **tenant) == sum(u["prompt_tokens"] for u in usages)
+    assert d("sparkgate:request_success_total", finished_reason="length", **tenant) == 4
+    assert d("sparkgate:request_errors_total", code="model_not_found", tenant="unknown") == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert d(f"sparkgate:{hist}_count", **tenant) == 4, hist
+    # autoregressive: one token per delta, so n − 1 gaps per request
+    assert d("sparkgate:inter_token_latency_seconds_count", **tenant) == completion - 4
+    assert 0 < d("sparkgate:inter_token_latency_seconds_sum", **tenant) < d("sparkgate:e2e_request_latency_seconds_sum", **tenant)
+    # engine counters: sequential requests → each decode round verifies one anchor; one prefill per request
+    decode_steps = d("sparkgate:engine_decode_steps_total")
+    assert decode_steps == completion - 4
+    assert d("sparkgate:engine_verify_tokens_total") == decode_steps
+    assert d("sparkgate:engine_forward_steps_total") == decode_steps + 4
+    assert live_sum(after, "sparkgate:num_requests_running") == 0
+    info = [dict(lab) for (n, lab) in after if n == "sparkgate:spec_decode_config_info"]
+    assert info == [{"method": "none", "policy": "none", "num_speculative_tokens": "0"}]
+
+
+@pytest.mark.model
+def test_live_running_gauge_and_cancelled_stream(live_server):
+    live = live_server
+    wait_idle(live)
+    before = live_metrics(live)
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Count to one thousand."}]}
+    with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=body, headers=live.headers(),
+                      timeout=300) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        during = live_metrics(live)
+    # leaving the block closed the connection: the engine aborts the request
+    assert live_sum(during, "sparkgate:num_requests_running") == 1
+    assert live_sum(during, "sparkgate:num_requests_waiting") == 0
+    eventually_equal(lambda: live_sum(live_metrics(live), "sparkgate:request_success_total", finished_reason="abort")
+                     - live_sum(before, "sparkgate:request_success_total", finished_reason="abort"), 1, "aborts")
+    eventually_equal(lambda: live_sum(live_metrics(live), "sparkgate:num_requests_running"), 0, "running")
+    after = live_metrics(live)
+    emitted = live_sum(after, "sparkgate:generation_tokens_total") - live_sum(before, "sparkgate:generation_tokens_total")
+    assert 1 <= emitted < 200

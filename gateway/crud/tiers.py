@@ -8,10 +8,10 @@ tenant), ``tpm`` (tokens/min per tenant), ``priority`` (larger wins),
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.models import SlaTier
+from gateway.db.models import SlaTier, Tenant
 
 TIER_FIELDS = ("min_tokens_per_s", "max_concurrent", "rpm", "tpm", "priority", "max_queue_wait_s")
 
@@ -72,6 +72,8 @@ async def delete_tier(session: AsyncSession, name: str) -> bool:
     row = await get_tier(session, name)
     if row is None:
         return False
+    # explicit, because SQLite databases have no FK from tenants.tier_id (see migration 0002)
+    await session.execute(update(Tenant).where(Tenant.tier_id == row.id).values(tier_id=None))
     await session.delete(row)
     await session.commit()
     return True

@@ -37,17 +37,20 @@ def upgrade() -> None:
         sa.UniqueConstraint("name", name="uq_sla_tiers_name"),
     )
     op.bulk_insert(tiers, [{"id": 1, "name": "default", "priority": 0, "max_queue_wait_s": 10.0}])
-    if op.get_bind().dialect.name == "postgresql":  # the explicit id above does not advance the sequence
+    if not _sqlite():  # the explicit id above does not advance the sequence
         op.execute("SELECT setval(pg_get_serial_sequence('sla_tiers', 'id'), 1)")
 
-    with op.batch_alter_table("tenants") as batch:
-        batch.add_column(sa.Column("tier_id", sa.Integer(), nullable=True))
-        batch.create_foreign_key("fk_tenants_tier_id_sla_tiers", "sla_tiers", ["tier_id"], ["id"], ondelete="SET NULL")
-        batch.create_index("ix_tenants_tier_id", ["tier_id"])
-    with op.batch_alter_table("api_keys") as batch:
-        batch.add_column(sa.Column("tokens_used", sa.BigInteger(), server_default="0", nullable=False))
-        batch.add_column(sa.Column("rpm_limit", sa.Integer(), nullable=True))
-        batch.add_column(sa.Column("tpm_limit", sa.BigInteger(), nullable=True))
+    # Plain ALTER TABLE only: on SQLite a batch "copy and move" of tenants would drop the
+    # old table, and with foreign keys on that cascades to api_keys (every key deleted).
+    # So SQLite gets no database-level FK here; crud.tiers.delete_tier clears tier_id itself.
+    op.add_column("tenants", sa.Column("tier_id", sa.Integer(), nullable=True))
+    if not _sqlite():
+        op.create_foreign_key("fk_tenants_tier_id_sla_tiers", "tenants", "sla_tiers", ["tier_id"], ["id"],
+                              ondelete="SET NULL")
+    op.create_index("ix_tenants_tier_id", "tenants", ["tier_id"])
+    op.add_column("api_keys", sa.Column("tokens_used", sa.BigInteger(), server_default="0", nullable=False))
+    op.add_column("api_keys", sa.Column("rpm_limit", sa.Integer(), nullable=True))
+    op.add_column("api_keys", sa.Column("tpm_limit", sa.BigInteger(), nullable=True))
 
     op.create_table(
         "request_records",
@@ -124,12 +127,14 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("usage_rollups")  # its indexes go with it
     op.drop_table("request_records")
-    with op.batch_alter_table("api_keys") as batch:
-        batch.drop_column("tpm_limit")
-        batch.drop_column("rpm_limit")
-        batch.drop_column("tokens_used")
-    with op.batch_alter_table("tenants") as batch:
-        batch.drop_index("ix_tenants_tier_id")
-        batch.drop_constraint("fk_tenants_tier_id_sla_tiers", type_="foreignkey")
-        batch.drop_column("tier_id")
+    for column in ("tpm_limit", "rpm_limit", "tokens_used"):  # ALTER TABLE DROP COLUMN (SQLite >= 3.35)
+        op.drop_column("api_keys", column)
+    op.drop_index("ix_tenants_tier_id", table_name="tenants")
+    if not _sqlite():
+        op.drop_constraint("fk_tenants_tier_id_sla_tiers", "tenants", type_="foreignkey")
+    op.drop_column("tenants", "tier_id")
     op.drop_table("sla_tiers")
+
+
+def _sqlite() -> bool:
+    return op.get_bind().dialect.name == "sqlite"

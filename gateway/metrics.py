@@ -35,7 +35,7 @@ other than 429/499, and ``model_not_ready`` — counted from the ``APIError`` ha
 Tenancy series need no calls from the tenancy code: ``rate_limited_requests_total``
 counts rejected outcomes with an admission code (:data:`ADMISSION_CODES`),
 ``admission_queue_time_seconds`` observes ``RequestContext.admission_wait_s``, and the
-request-record writer's backlog/drops (``app.state.record_writer``: ``buffered``,
+request-record writer's backlog/drops (``app.state.records``: ``buffered``,
 ``dropped``) are read at scrape time.
 
 Cardinality: tenant names pass through :data:`TENANTS` — the first
@@ -206,7 +206,7 @@ class StateCollector:
     def collect(self) -> Iterator[Metric]:
         if self.state is None:
             return
-        writer = getattr(self.state, "record_writer", None)
+        writer = getattr(self.state, "records", None)  # gateway.records.RecordWriter
         if writer is not None:
             yield GaugeMetricFamily("sparkgate:db_writer_queue_depth", "Request records waiting to be written.",
                                     writer.buffered)

@@ -6,9 +6,10 @@ The Prometheus test scrapes two targets:
 * ``sparkgate`` — the live gateway (real model, ``live_server``; it decodes
   autoregressively, so it exports no speculative-decoding data), with the admin token;
 * ``sparkgate-spec`` — a second gateway over a FakeBackend that reports speculation
-  stats and gives its tenants SLA targets. A ``metric_relabel_configs`` keep-rule takes
-  ONLY the ``spec_decode_*``, ``sps`` and ``sla_requests_total`` series from it, so every
-  other panel can only be fed by the live gateway.
+  stats, whose tenants are in SLA tiers with targets (one met, one missed) and one of
+  whose keys is rate-limited. A ``metric_relabel_configs`` keep-rule takes ONLY the
+  ``spec_decode_*``, ``sps``, ``sla_requests_total`` and ``rate_limited_requests_total``
+  series from it, so every other panel can only be fed by the live gateway.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 COMPOSE = ROOT / "docker-compose.yml"
 MODEL = "SmolLM2-135M-Instruct"
-SPEC_ONLY = r"sparkgate:(spec_decode_.*|sps|sla_requests_total)"
+SPEC_ONLY = r"sparkgate:(spec_decode_.*|sps|sla_requests_total|rate_limited_requests_total)"
 
 
 def dashboard_targets() -> list[tuple[str, str]]:
@@ -84,8 +85,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def speculating_gateway():
     """uvicorn factory: a gateway whose FakeBackend speculates (γ = 4, DSpark policy, an
-    SPS table) and whose tenants get SLA targets: ``spec-fast`` 1 tok/s (met), ``spec-slow``
-    10⁶ tok/s (missed)."""
+    SPS table); its database is set up by the ``spec_gateway`` fixture."""
     from gateway.main import create_app
     from runtime.dspark.sps import SpsTable
     from runtime.interface import SpecInfo
@@ -100,29 +100,39 @@ def speculating_gateway():
             table = SpsTable([1, 4, 16], [512], [[30.0, 28.0, 20.0]], note="test")
             return SpecInfo("dspark", "dspark-sla", 4, table.to_dict())
 
-    class SlaTargets:
-        def request_ended(self, outcome) -> None:
-            ctx = outcome.ctx
-            if ctx.sla_target_tokens_per_s is None:
-                ctx.tier = ctx.tier or "gold"
-                ctx.sla_target_tokens_per_s = 1.0 if ctx.tenant == "spec-fast" else 1e6
+    return create_app(backend=SpeculatingFake(max_context=512, token_delay_s=0.01))
 
-    app = create_app(backend=SpeculatingFake(max_context=512, token_delay_s=0.01))
-    app.state.observers.insert(0, SlaTargets())
-    return app
+
+async def tiers_and_keys(db_url: str) -> list[str]:
+    """Tier ``gold`` (1 tok/s: met) for ``spec-fast``, ``platinum`` (10⁶ tok/s: missed) for
+    ``spec-slow``, and a 1-request-per-minute key for ``spec-limited``; returns the keys."""
+    from gateway.crud import tenants, tiers
+    from gateway.crud.keys import issue_key
+    from gateway.db.session import make_engine, make_sessionmaker
+
+    engine = make_engine(db_url)
+    try:
+        async with make_sessionmaker(engine)() as session:
+            await tiers.create_tier(session, "gold", min_tokens_per_s=1.0)
+            await tiers.create_tier(session, "platinum", min_tokens_per_s=1e6)
+            await tenants.create_tenant(session, "spec-fast", "gold")
+            await tenants.create_tenant(session, "spec-slow", "platinum")
+    finally:
+        await engine.dispose()
+    return [await issue_key(db_url, "spec-fast", "u"), await issue_key(db_url, "spec-slow", "u"),
+            await issue_key(db_url, "spec-limited", "u", rpm_limit=1)]
 
 
 @pytest.fixture(scope="module")
 def spec_gateway(tmp_path_factory):
     import asyncio
 
-    from gateway.crud.keys import issue_key
     from gateway.db.migrate import upgrade
 
     tmp = tmp_path_factory.mktemp("spec-gw")
     db_url = f"sqlite+aiosqlite:///{tmp}/spec.db"
     upgrade(db_url)
-    keys = [asyncio.run(issue_key(db_url, tenant, "u")) for tenant in ("spec-fast", "spec-slow")]
+    *keys, limited = asyncio.run(tiers_and_keys(db_url))
     admin, port = "admin-" + os.urandom(8).hex(), free_port()
     env = {**os.environ, "SPARKGATE_DATABASE_URL": db_url, "SPARKGATE_ADMIN_TOKEN": admin, "PYTHONPATH": str(ROOT)}
     env.pop("SPARKGATE_METRICS_PORT", None)
@@ -133,7 +143,7 @@ def spec_gateway(tmp_path_factory):
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc)
-        yield {"url": f"http://127.0.0.1:{port}", "keys": keys, "admin": admin, "port": port}
+        yield {"url": f"http://127.0.0.1:{port}", "keys": keys, "limited": limited, "admin": admin, "statuses": {}}
     finally:
         stop(proc)
 
@@ -191,9 +201,10 @@ def prometheus(live_server, spec_gateway, tmp_path_factory):
         stop(proc)
 
 
-def drive(live, spec) -> int:
-    """One round of traffic; returns the live gateway's completion tokens (from usage)."""
-    tokens = 0
+def drive(live, spec) -> tuple[int, int]:
+    """One round of traffic. Returns the live gateway's completion tokens (from usage) and
+    the number of spec-gateway requests that ran."""
+    tokens, spec_ran = 0, 0
     for stream in (False, True):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
                 "max_tokens": 6, "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}
@@ -203,14 +214,15 @@ def drive(live, spec) -> int:
         assert r.status_code == 200
         usage = r.json()["usage"] if not stream else json.loads(r.text.split("data: ")[-2])["usage"]
         tokens += usage["completion_tokens"]
-        for key in spec["keys"]:
+        for key in [*spec["keys"], spec["limited"]]:
             r = httpx.post(spec["url"] + "/v1/chat/completions", json={**body, "max_tokens": 7},
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
-            assert r.status_code == 200
+            spec["statuses"].setdefault(key, []).append(r.status_code)
+            spec_ran += r.status_code == 200
     r = httpx.post(live.base_url + "/v1/chat/completions", headers=live.headers(), timeout=30,
                    json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
-    return tokens
+    return tokens, spec_ran
 
 
 def scraped_total(base_url: str, admin_token: str, name: str) -> float:
@@ -230,15 +242,22 @@ def test_every_dashboard_query_returns_data_from_prometheus(live_server, spec_ga
     # Round 1 creates the labelled series; round 2, scraped after them, makes every rate() positive.
     for _ in range(2):
         gen0, drafts0 = gen(), drafts()
-        tokens = drive(live_server, spec_gateway)
+        tokens, spec_ran = drive(live_server, spec_gateway)
         eventually(gen, gen0 + tokens, "live generation_tokens_total")  # = the usage the client got
-        eventually(drafts, drafts0 + 4 * 3, "spec drafts")  # 4 requests × 3 rounds (FakeBackend, 7 tokens)
+        eventually(drafts, drafts0 + 3 * spec_ran, "spec drafts")  # FakeBackend: 3 rounds for 7 tokens
         prom.wait_for('sum(sparkgate:generation_tokens_total{job="sparkgate"})', gen0 + tokens)
-        prom.wait_for('sum(sparkgate:spec_decode_num_drafts_total{job="sparkgate-spec"})', drafts0 + 12)
+        prom.wait_for('sum(sparkgate:spec_decode_num_drafts_total{job="sparkgate-spec"})', drafts0 + 3 * spec_ran)
         time.sleep(3)  # a few more scrapes of both targets
     # the spec target contributes only the series the AR live server cannot produce
     assert prom.query('{job="sparkgate-spec", __name__=~"sparkgate:(generation_tokens_total|num_requests_running)"}') == []
     assert prom.scalar('sum(sparkgate:request_errors_total{job="sparkgate", code="model_not_found"})') >= 2
+    statuses = spec_gateway["statuses"]
+    assert [statuses[k] for k in spec_gateway["keys"]] == [[200] * 4] * 2
+    assert statuses[spec_gateway["limited"]] == [200, 429, 429, 429]  # rpm 1: only its first request runs
+    assert prom.scalar('sum(sparkgate:rate_limited_requests_total{code="rate_limit_exceeded"})') == 3
+    sla = {r["metric"]["tier"] + "/" + r["metric"]["result"]: float(r["value"][1])
+           for r in prom.query("sum by (tier, result) (sparkgate:sla_requests_total)")}
+    assert sla == {"gold/met": 4.0, "platinum/missed": 4.0}
 
     failures = []
     for title, expr in dashboard_targets():
@@ -264,7 +283,7 @@ def exported_metric_names() -> set[str]:
     backend = FakeBackend()
     backend.spec_info = lambda: SpecInfo("dspark", "dspark-sla", 2, {"buckets": [1], "context_lens": [8], "sps": [[1.0]]})
     old = metrics.STATE.state
-    metrics.STATE.state = SimpleNamespace(backend=backend, record_writer=SimpleNamespace(buffered=0, dropped=0))
+    metrics.STATE.state = SimpleNamespace(backend=backend, records=SimpleNamespace(buffered=0, dropped=0))
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     try:
         return {f.name + sfx for f in REGISTRY.collect() for sfx in suffixes.get(f.type, ("",))}

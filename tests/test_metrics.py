@@ -12,7 +12,6 @@ import json
 import socket
 import time
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -168,6 +167,20 @@ def test_admission_rejections_and_wait_come_from_outcomes():
     assert d("sparkgate:generation_tokens_total", tier="gold") == 0  # rejected: never ran
 
 
+async def test_admission_429_is_counted_once_with_its_tenant(db_url):
+    key = await issue_key(db_url, "acme", "alice", rpm_limit=1)
+    d = Delta()
+    async with running_app(db_url, FakeBackend()) as (_, c):
+        codes = [(await c.post("/v1/chat/completions", json=chat(), headers={"Authorization": f"Bearer {key}"})).status_code
+                 for _ in range(2)]
+    assert codes == [200, 429]
+    assert d("sparkgate:request_errors_total", code="rate_limit_exceeded", tenant="acme") == 1
+    assert d("sparkgate:request_errors_total", code="rate_limit_exceeded") == 1  # not again as tenant "unknown"
+    assert d("sparkgate:rate_limited_requests_total", code="rate_limit_exceeded", tenant="acme") == 1
+    assert d("sparkgate:admission_queue_time_seconds_count") == 2
+    assert d("sparkgate:request_success_total", tenant="acme") == 1
+
+
 def test_label_cap_keeps_first_n_then_other():
     cap = metrics.LabelCap(2)
     assert [cap(v) for v in ("a", "b", "c", "a", None, "", "d", "b")] == ["a", "b", "other", "a", "none", "none", "other", "b"]
@@ -202,7 +215,8 @@ class SpecFake(FakeBackend):
 async def test_metrics_needs_admin_token_and_exports_engine_and_writer_state(db_url):
     key = await issue_key(db_url, "acme", "alice")
     async with running_app(db_url, SpecFake()) as (application, c):
-        application.state.record_writer = SimpleNamespace(buffered=3, dropped=2)
+        writer = application.state.records
+        writer.dropped = 2
         assert (await c.get("/metrics")).status_code == 401
         assert (await c.get("/metrics", headers={"Authorization": f"Bearer {key}"})).status_code == 403
         r = await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
@@ -214,7 +228,7 @@ async def test_metrics_needs_admin_token_and_exports_engine_and_writer_state(db_
     sps = {(s.labels["budget_tokens"], s.labels["context_len"]): s.value for s in fams["sparkgate:sps"].samples}
     assert sps[("8", "512")] == 27.0 and sps[("1", "2048")] == 20.0 and len(sps) == 4
     assert "sparkgate:engine_verify_tokens" in fams and "sparkgate:time_to_first_token_seconds" in fams
-    assert fams["sparkgate:db_writer_queue_depth"].samples[0].value == 3
+    assert fams["sparkgate:db_writer_queue_depth"].samples[0].value == writer.buffered
     assert fams["sparkgate:db_records_dropped"].samples[0].value == 2
 
 

@@ -233,14 +233,22 @@ class StateCollector:
                                  labels=("method", "policy", "num_speculative_tokens"))
         info.add_metric((spec.method, spec.policy or NONE, str(spec.block_size)), 1)
         yield info
-        table = spec.sps_table
-        if table:
-            sps = GaugeMetricFamily("sparkgate:sps", "SPS table: target rounds per second at B verification tokens.",
-                                    labels=("budget_tokens", "context_len"))
-            for j, ctx_len in enumerate(table["context_lens"]):
-                for i, b in enumerate(table["buckets"]):
-                    sps.add_metric((str(b), str(ctx_len)), table["sps"][j][i])
-            yield sps
+        if spec.sps_table:
+            yield from _sps_family(spec.sps_table)
+
+
+def _sps_family(table: dict) -> Iterator[Metric]:
+    """``sparkgate:sps{budget_tokens, context_len}`` from ``SpsTable.to_dict()``."""
+    sps = GaugeMetricFamily("sparkgate:sps", "SPS table: target rounds per second at B verification tokens.",
+                            labels=("budget_tokens", "context_len"))
+    try:
+        for ctx_len, row in zip(table["context_lens"], table["sps"], strict=True):
+            for b, value in zip(table["buckets"], row, strict=True):
+                sps.add_metric((str(b), str(ctx_len)), float(value))
+    except (KeyError, TypeError, ValueError):  # not a sparkgate-sps-v1 table: skip it, keep the scrape
+        log.warning("spec_info().sps_table is not an SPS table dict; sparkgate:sps not exported")
+        return
+    yield sps
 
 
 STATE = StateCollector()

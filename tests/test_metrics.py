@@ -232,6 +232,11 @@ async def test_metrics_needs_admin_token_and_exports_engine_and_writer_state(db_
     assert fams["sparkgate:db_records_dropped"].samples[0].value == 2
 
 
+def test_malformed_sps_table_is_skipped_not_fatal():
+    assert list(metrics._sps_family({"buckets": [1, 2], "context_lens": [8], "sps": [[3.0]]})) == []
+    assert list(metrics._sps_family({"format": "sglang"})) == []
+
+
 async def test_running_gauge_is_read_at_scrape_time(db_url):
     key = await issue_key(db_url, "acme", "alice")
     admin = {"Authorization": f"Bearer {ADMIN}"}

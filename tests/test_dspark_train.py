@@ -1,0 +1,229 @@
+"""Drafter training pipeline: data order/shards/regeneration, the batched training
+forward vs. the serving forward, the loss, and a tiny training smoke run (real target, fp32)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.dspark.config import DrafterConfig
+from runtime.dspark.data import (
+    CATEGORIES,
+    DrafterData,
+    RegenConfig,
+    Sample,
+    balanced_order,
+    done_ids,
+    is_heldout,
+    load_data,
+    load_train_prompts,
+    regenerate,
+    write_shard,
+)
+from runtime.dspark.drafter import DSparkDrafter
+from runtime.dspark.features import block_targets, sample_anchors, target_log_probs, teacher_forward
+from runtime.dspark.train import (
+    TrainConfig,
+    block_forward,
+    confidence_logits,
+    draft_log_probs,
+    dspark_loss,
+    init_drafter,
+    micro_batch_loss,
+    position_weights,
+    train,
+)
+
+V = 49152
+
+
+# -- data (no model) ----------------------------------------------------------------------
+
+def test_balanced_order_prefixes_and_heldout_split():
+    prompts = load_train_prompts()
+    assert len(prompts) > 30000
+    order = balanced_order(prompts, 400, seed=0)
+    assert len({p["id"] for p in order}) == 400
+    for n in (4, 40, 400):
+        assert Counter(p["category"] for p in order[:n]) == {c: n // 4 for c in CATEGORIES}
+    assert balanced_order(prompts, 400, seed=0) == order  # fixed
+    assert [p["id"] for p in balanced_order(prompts, 40, seed=1)] != [p["id"] for p in order[:40]]
+    assert [p["id"] for p in balanced_order(prompts, 1000, 0)[:400]] == [p["id"] for p in order]  # prefix-stable
+    frac = np.mean([is_heldout(p["id"]) for p in prompts])
+    assert 0.04 < frac < 0.06
+
+
+def test_shards_round_trip(tmp_path):
+    a = [Sample("x:1", "chat", [1, 2, 3, 4], 2, "stop", False), Sample("x:2", "code", [5, 6, 49151], 1, "length", True)]
+    write_shard(tmp_path, 0, a)
+    write_shard(tmp_path, 1, [Sample("x:3", "math", [7, 8], 1, "stop", False)])
+    d = load_data(tmp_path)
+    assert len(d) == 3 and d.sequence(1).tolist() == [5, 6, 49151] and d.sequence(2).tolist() == [7, 8]
+    assert d.prompt_lens.tolist() == [2, 1, 1] and d.indices("heldout").tolist() == [1]
+    assert d.response_tokens() == 2 + 2 + 1
+    assert done_ids(tmp_path) == {"x:1", "x:2", "x:3"}
+    assert d.tokens.dtype == np.uint16
+
+
+@pytest.mark.model
+def test_regen_is_resumable_and_balanced(tmp_path, target_fp32, tokenizer):
+    cfg = RegenConfig(num_prompts=4, max_new_tokens=5, dtype="float32", max_batch_size=2)
+    s1 = regenerate(cfg, tmp_path, shard_size=1, limit=2, model=target_fp32, tokenizer=tokenizer, progress=False)
+    assert s1.new_prompts == 2 and len(done_ids(tmp_path)) == 2
+    s2 = regenerate(cfg, tmp_path, shard_size=8, model=target_fp32, tokenizer=tokenizer, progress=False)
+    assert s2.new_prompts == 2 and s2.prompts_done == 4
+    d = load_data(tmp_path)
+    assert sorted(d.categories.tolist()) == sorted(CATEGORIES)
+    for i in range(len(d)):
+        seq, n = d.sequence(i), int(d.prompt_lens[i])
+        resp = seq[n:]
+        assert 1 <= len(resp) <= 5
+        assert (d.finish[i] == "stop") == (resp[-1] == 2)  # EOS ends "stop" responses
+        assert tokenizer.decode(seq[:n].tolist()).rstrip().endswith("assistant")
+    man = json.loads((tmp_path / "manifest.json").read_text())
+    assert man["summary"]["sequences"] == 4
+    with pytest.raises(ValueError):  # different settings must not mix into the same dir
+        regenerate(RegenConfig(num_prompts=4, max_new_tokens=6, dtype="float32"), tmp_path,
+                   model=target_fp32, tokenizer=tokenizer, progress=False)
+
+
+# -- forward equivalence -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def teacher_batch(target_fp32):
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (30, 45, 20)]
+    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=3))
+    return teacher_forward(target_fp32, seqs, [10, 12, 8], dr.tap_layers)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("variant", ["vanilla", "gated"])
+def test_training_forward_equals_serving_forward(target_fp32, teacher_batch, variant):
+    """block_forward (batched, masked) == extend_context + forward_block/propose/sample_block."""
+    tb = teacher_batch
+    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=3, markov_variant=variant))
+    with torch.no_grad():  # non-trivial Markov weights (W2 starts random but make sure)
+        dr.markov.w2.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    anchors, ok = sample_anchors(tb.prompt_lens, tb.lengths, 5, torch.Generator().manual_seed(2))
+    bt = block_targets(tb, anchors, ok, 7)
+    with torch.no_grad():
+        h = block_forward(dr, tb.taps, anchors, bt.anchor_tokens)
+    checked = 0
+    for i in range(tb.lengths.numel()):
+        for a in range(anchors.shape[1]):
+            if not ok[i, a]:
+                continue
+            p = int(anchors[i, a])
+            dc = dr.new_context_cache(1, 64)
+            dr.extend_context(dc, tb.taps[i, :p], [0], [p])
+            anchor = bt.anchor_tokens[i, a : a + 1]
+            blk = dr.propose(anchor, [0], dc)
+            torch.testing.assert_close(blk.hidden[0], h[i, a], atol=2e-5, rtol=1e-5)
+            # p_d of the loss (teacher-forced prev) == serving p_d when prev = the sampled tokens
+            ds = dr.sample_block(blk, anchor, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                                 [torch.Generator().manual_seed(p)])
+            prev = torch.cat([anchor, ds.tokens[0, :-1]])
+            with torch.no_grad():
+                lp = draft_log_probs(dr, h[i, a], prev)
+                z = confidence_logits(dr, h[i, a], prev)
+            torch.testing.assert_close(lp.exp(), ds.probs[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(z, ds.confidence_logits[0], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.model
+def test_block_targets_and_loss_terms(target_fp32, teacher_batch):
+    tb = teacher_batch
+    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=3))
+    anchors = torch.tensor([[10, 27], [40, 43], [8, 18]])  # 43 → slot k valid iff 43+k ≤ 44; 18 → ≤ 19
+    ok = torch.ones(3, 2, dtype=torch.bool)
+    bt = block_targets(tb, anchors, ok, 7)
+    assert bt.valid[1, 1].tolist() == [True] + [False] * 6
+    assert bt.valid[2, 1].tolist() == [True] + [False] * 6
+    assert bt.valid[0, 1].tolist() == [True, True] + [False] * 5  # L=30: 27+2 = 29
+    assert bt.target_tokens[0, 0].tolist() == tb.tokens[0, 11:18].tolist()
+    assert bt.prev_tokens[0, 0].tolist() == tb.tokens[0, 10:17].tolist()
+    assert bt.anchor_tokens[1].tolist() == [int(tb.tokens[1, 40]), int(tb.tokens[1, 43])]
+    logp_t = target_log_probs(target_fp32, bt.hidden_rows[bt.valid])
+    # p_t row for (seq 0, anchor 10, k=1) is the target's distribution after position 10
+    full = torch.log_softmax(target_fp32.lm_head(tb.hidden[0, 10:11]), -1)[0]
+    torch.testing.assert_close(logp_t[0], full)
+    with torch.no_grad():
+        h = block_forward(dr, tb.taps, anchors, bt.anchor_tokens)
+        lo = dspark_loss(dr, h, bt, logp_t)
+        lp = draft_log_probs(dr, h[bt.valid], bt.prev_tokens[bt.valid])
+    w = position_weights(7)
+    assert w[0] == 1.0 and abs(float(w[6]) - np.exp(-6 / 7)) < 1e-6
+    wk = w[torch.arange(7).expand(3, 2, 7)[bt.valid]]
+    l1 = (lp.exp() - logp_t.exp()).abs().sum(-1)
+    ce = -lp.gather(-1, bt.target_tokens[bt.valid][:, None])[:, 0]
+    assert abs(lo.l1 - float((wk * l1).sum() / wk.sum())) < 1e-4
+    assert abs(lo.ce - float((wk * ce).sum() / wk.sum())) < 1e-3
+    assert abs(float(lo.total) - (0.1 * lo.ce + 0.9 * lo.l1 + lo.bce)) < 1e-4
+    assert 0.0 <= lo.accept <= 1.0 and lo.l1 > 1.0  # a random drafter is far from the target
+    assert lo.tau_prob[1] == 6 and 6.0 <= lo.tau_prob[0] <= 6 * 8
+
+
+# -- training smoke run --------------------------------------------------------------------
+
+def _tiny_data(tokenizer) -> DrafterData:
+    texts = [
+        "The capital of France is Paris. It is known for the Eiffel Tower and fine food.",
+        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5",
+        "Natalia sold 48 clips in April and half as many in May, so 48 + 24 = 72 clips.",
+        "Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees.",
+        "To sort a list in Python, call sorted(xs) or xs.sort() for an in-place sort.",
+        "The sun rises in the east and sets in the west because the Earth rotates.",
+        "A triangle has three sides; the sum of its interior angles is 180 degrees.",
+        "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
+    ]
+    toks, offs, plens = [], [0], []
+    for t in texts:
+        p = tokenizer.encode("<|im_start|>user\nTell me something.<|im_end|>\n<|im_start|>assistant\n")
+        ids = (p + tokenizer.encode(t))[:64]
+        toks += ids
+        offs.append(len(toks))
+        plens.append(len(p))
+    n = len(texts)
+    return DrafterData(np.array(toks, np.uint16), np.array(offs, np.int64), np.array(plens, np.int32),
+                       np.array([f"t:{i}" for i in range(n)]), np.array(["chat"] * n), np.array(["stop"] * n),
+                       np.array([False] * n))  # fmt: skip
+
+
+@pytest.mark.model
+def test_training_smoke_loss_falls_and_resumes(tmp_path, target_fp32, tokenizer):
+    data = _tiny_data(tokenizer)
+    dcfg = DrafterConfig(num_layers=1, markov_rank=16).to_dict()
+    cfg = TrainConfig(out=str(tmp_path / "ck"), drafter=dcfg, seqs_per_micro=4, anchors_per_seq=6, accum=1,
+                      max_len=64, lr=1e-3, warmup_frac=0.0, steps=6, save_every=3, val_every=0, threads=2)  # fmt: skip
+    seqs = [data.sequence(i) for i in range(len(data))]
+    plens = data.prompt_lens.tolist()
+
+    def fixed_loss(dr):
+        with torch.no_grad():
+            lo, _ = micro_batch_loss(dr, target_fp32, seqs, plens, 6, torch.Generator().manual_seed(7))
+        return lo
+
+    cfg.steps = 3
+    r1 = train(cfg, teacher=target_fp32, target32=target_fp32, data=data, progress=False)
+    assert r1["steps"] == 3
+    before = fixed_loss(init_drafter(target_fp32, cfg))
+    cfg.steps = 6
+    r2 = train(cfg, teacher=target_fp32, target32=target_fp32, data=data, progress=False)  # resumes at 3
+    after = fixed_loss(r2["drafter"])
+    rows = [json.loads(x) for x in (tmp_path / "ck" / "train_log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert float(after.total) < float(before.total) - 0.3
+    assert after.ce < before.ce - 2.0 and after.l1 < before.l1
+    assert (tmp_path / "ck" / "learning_curve.png").stat().st_size > 1000
+    from runtime.dspark.checkpoint import load_drafter
+
+    reloaded = load_drafter(tmp_path / "ck", target_fp32)
+    assert abs(float(fixed_loss(reloaded).total) - float(after.total)) < 1e-4

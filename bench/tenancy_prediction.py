@@ -7,6 +7,8 @@ and compares, per request, the tok/s the admission controller predicted when it
 admitted the request (``request_records.predicted_tokens_per_s``) with the measured
 decode tok/s (``decode_tokens_per_s``, the project's one definition). Prints a
 Markdown table (signed error = predicted/measured − 1) and writes JSON with ``--out``.
+"fitted model at n" is the speed model as fitted at the end, evaluated at the wave's
+real concurrency (admission-time predictions only know the batch at admission).
 
 Usage::
 
@@ -62,6 +64,9 @@ async def main(args: argparse.Namespace) -> dict:
             await app.state.records.flush()
             async with app.state.sessionmaker() as s:
                 rows, _ = await crud_records.query_records(s, tenant="bench", limit=10_000)
+            model = app.state.admission.model
+            fitted = {n: model.predict(n) for n in args.concurrency}
+            step_samples = {n: round(v, 4) for n, v in sorted(model._per_n().items())}
     rows = sorted(rows, key=lambda r: r.queued_at)[1:]  # drop the warm-up
     out, i = [], 0
     for n in args.concurrency:
@@ -70,20 +75,26 @@ async def main(args: argparse.Namespace) -> dict:
         pairs = [(r.predicted_tokens_per_s, r.decode_tokens_per_s) for r in group
                  if r.predicted_tokens_per_s and r.decode_tokens_per_s]
         errs = [p / m - 1 for p, m in pairs]
-        out.append({"concurrency": n, "requests": len(pairs),
+        measured = statistics.median(m for _, m in pairs)
+        out.append({"concurrency": n, "requests": len(pairs), "fitted_model": fitted[n],
+                    "fitted_error": fitted[n] / measured - 1,
                     "predicted_median": statistics.median(p for p, _ in pairs),
                     "measured_median": statistics.median(m for _, m in pairs),
                     "signed_error_median": statistics.median(errs),
                     "abs_error_mean": statistics.fmean(abs(e) for e in errs)})
-    return {"dtype": args.dtype, "spec": args.spec, "tokens": args.tokens, "reps": args.reps, "rows": out}
+    return {"dtype": args.dtype, "spec": args.spec, "tokens": args.tokens, "reps": args.reps, "rows": out,
+            "step_seconds_by_batch": step_samples}
 
 
 def table(result: dict) -> str:
-    lines = ["| concurrent | requests | predicted tok/s (median) | measured tok/s (median) | "
-             "signed error (median) | mean abs error |", "|---|---|---|---|---|---|"]
+    lines = ["| concurrent | requests | measured tok/s (median) | predicted at admission (median) | "
+             "signed error (median) | mean abs error | fitted model at n | its error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['predicted_median']:.1f} | "
-                     f"{r['measured_median']:.1f} | {r['signed_error_median']:+.1%} | {r['abs_error_mean']:.1%} |")
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['measured_median']:.1f} | "
+                     f"{r['predicted_median']:.1f} | {r['signed_error_median']:+.1%} | {r['abs_error_mean']:.1%} | "
+                     f"{r['fitted_model']:.1f} | {r['fitted_error']:+.1%} |")
+    lines.append(f"\nmedian seconds per decode step by batch size: {result['step_seconds_by_batch']}")
     return "\n".join(lines)
 
 

@@ -150,20 +150,22 @@ class SpeedModel:
       drafts verified per request per round (γ until measured) and ``c`` the median
       ratio measured/table of recent step times (1 until measured).
     * Without: an affine model ``step_s(n) = a + b·n`` fitted to the live step time,
-      sampled from the engine's ``forward_steps`` counter (every ``sample_s`` seconds,
+      sampled from the engine's ``decode_steps`` counter (``forward_steps`` for backends
+      without it; windows of ≥ 8 steps, polled every ``sample_s`` seconds,
       while requests run) at the batch sizes seen; with one batch size seen,
       ``step_s ∝ 1 + β(n − 1)`` through it; with none, ``prior_step_s · (1 + β(n − 1))``.
       ``β`` (default 0.05) is the relative cost of one more request per step.
     """
 
     def __init__(self, backend: Backend, prior_step_s: float = 0.02, beta: float = 0.05,
-                 clock=time.monotonic, max_samples: int = 400):
+                 clock=time.monotonic, max_samples: int = 400, min_steps: int = 8):
         self.backend = backend
         self.prior_step_s = prior_step_s
         self.beta = beta
         self._clock = clock
         self.samples: deque[tuple[int, float]] = deque(maxlen=max_samples)  # (batch size, seconds/step)
-        self._last: tuple[float, int, int] | None = None
+        self.min_steps = min_steps
+        self._window: tuple[float, int, int, int] | None = None  # (t0, steps0, Σ running, polls)
         self._table: SpsTable | None = None
         self._table_checked = False
         self.gamma = 0
@@ -183,15 +185,23 @@ class SpeedModel:
         return self._table
 
     def sample(self) -> None:
-        """Record the step time since the last call if requests ran throughout."""
+        """Poll the engine's step counter. A sample ``(mean batch size, seconds per step)``
+        is taken over a window of at least ``min_steps`` steps during which requests ran
+        the whole time (a poll with nothing running restarts the window): counting whole
+        steps over a long window keeps the error of polling between steps below 1/min_steps."""
         load, now = self.backend.load(), self._clock()
-        last, self._last = self._last, (now, load.forward_steps, load.running)
-        if last is None:
+        steps = getattr(load, "decode_steps", 0) or load.forward_steps  # decode rounds, else all forwards
+        w = self._window
+        if load.running <= 0 or w is None or steps < w[1]:
+            self._window = (now, steps, 0, 0) if load.running > 0 else None
             return
-        t0, steps0, running0 = last
-        if load.forward_steps > steps0 and running0 > 0 and load.running > 0 and now - t0 < 2.0:
-            n = max(1, round((running0 + load.running) / 2))
-            self.samples.append((n, (now - t0) / (load.forward_steps - steps0)))
+        t0, steps0, running_sum, polls = w
+        running_sum, polls = running_sum + load.running, polls + 1
+        if steps - steps0 >= self.min_steps and now > t0:
+            self.samples.append((max(1, round(running_sum / polls)), (now - t0) / (steps - steps0)))
+            self._window = (now, steps, 0, 0)
+        else:
+            self._window = (t0, steps0, running_sum, polls)
 
     def observe(self, spec) -> None:  # noqa: ANN001 — runtime.interface.SpecStats
         """Fold one finished request's speculative stats into τ and ℓ (EMA, α = 0.1)."""

@@ -251,3 +251,17 @@ def test_speed_model_uses_the_sps_table_tau_and_draft_length():
     assert m.tau == 2.5 and m.draft_len == 1.0
     assert m.predict(2) == pytest.approx(2.5 * 80.0)  # B = 4
     assert m.predict(8) == pytest.approx(2.5 * 40.0)  # B = 16
+
+
+def test_speed_model_is_not_biased_by_polling_faster_than_the_engine_steps():
+    """Steps of 0.25 s polled every 0.1 s: most polls see no new step; windows of ≥ 8
+    steps still measure 0.25 s (a per-poll estimate would say 0.1 s)."""
+    b = LoadBackend()
+    now = [0.0]
+    m = SpeedModel(b, clock=lambda: now[0])
+    for i in range(200):
+        now[0] = i * 0.1
+        b.snapshot = LoadSnapshot(8, 0, 16, int(now[0] / 0.25))
+        m.sample()
+    assert len(m.samples) >= 8
+    assert m.step_seconds(8) == pytest.approx(0.25, rel=0.05) and m.predict(8) == pytest.approx(4.0, rel=0.05)

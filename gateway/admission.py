@@ -149,7 +149,8 @@ class SpeedModel:
       ``step_s(n) = c · SpsTable.round_seconds(n · (1 + ℓ))`` with ℓ the measured mean
       drafts verified per request per round (γ until measured) and ``c`` the median
       ratio measured/table of recent step times (1 until measured).
-    * Without: an affine model ``step_s(n) = a + b·n`` fitted to the live step time,
+    * Without: an affine model ``step_s(n) = a + b·n`` fitted (least squares over the
+      median step time per batch size, weighted by sample count) to the live step time,
       sampled from the engine's ``decode_steps`` counter (``forward_steps`` for backends
       without it; windows of ≥ 8 steps, polled every ``sample_s`` seconds,
       while requests run) at the batch sizes seen; with one batch size seen,
@@ -211,11 +212,15 @@ class SpeedModel:
         self.tau = tau if self.tau is None else 0.9 * self.tau + 0.1 * tau
         self.draft_len = ell if self.draft_len is None else 0.9 * self.draft_len + 0.1 * ell
 
-    def _per_n(self) -> dict[int, float]:
+    def _by_n(self) -> dict[int, list[float]]:
         by_n: dict[int, list[float]] = {}
         for n, s in self.samples:
             by_n.setdefault(n, []).append(s)
-        return {n: statistics.median(v) for n, v in by_n.items()}
+        return by_n
+
+    def _per_n(self) -> dict[int, float]:
+        """Median seconds per step at each batch size seen."""
+        return {n: statistics.median(v) for n, v in self._by_n().items()}
 
     def step_seconds(self, n: int) -> float:
         n = max(1, n)
@@ -226,10 +231,12 @@ class SpeedModel:
             model = table.round_seconds(max(1.0, n * (1 + ell)))
             ratios = [s / table.round_seconds(max(1.0, k * (1 + ell))) for k, s in per_n.items()]
             return model * (statistics.median(ratios) if ratios else 1.0)
-        if len(per_n) >= 2:
-            xs, ys = zip(*sorted(per_n.items()))
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            b = sum((x - mx) * (y - my) for x, y in per_n.items()) / sum((x - mx) ** 2 for x in xs)
+        if len(per_n) >= 2:  # least squares over the per-size medians, weighted by their sample counts
+            w = {k: len(v) for k, v in self._by_n().items()}
+            total = sum(w.values())
+            mx = sum(w[x] * x for x in per_n) / total
+            my = sum(w[x] * y for x, y in per_n.items()) / total
+            b = sum(w[x] * (x - mx) * (y - my) for x, y in per_n.items()) / sum(w[x] * (x - mx) ** 2 for x in per_n)
             b = max(0.0, b)
             a = my - b * mx
             if a > 0:

@@ -18,7 +18,7 @@ from gateway.records import RecordWriter, record_row
 from runtime.interface import RequestTimings, SpecStats
 from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
 from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, CountingBackend, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
+    CountingBackend, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
 )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from datetime import datetime, timedelta, timezone
@@ -114,7 +115,7 @@ class RecordWriter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._last_rollup = self._last_prune = 0.0
+        self._last_rollup = self._last_prune = -math.inf  # both run on the first step, then periodically
         self.written = self.dropped = self.write_errors = 0
         self.last_error: str | None = None
 

@@ -207,3 +207,23 @@ def test_record_row_fields():
     assert row["first_token_at"] == datetime(2026, 1, 1, 12, 0, 28, 500000, tzinfo=timezone.utc)
     assert row["ttft_s"] == pytest.approx(0.5) and row["decode_tokens_per_s"] == pytest.approx(20.0)
     assert row["sla_met"] is False and row["sla_target_tokens_per_s"] == 25.0
+
+
+async def test_the_running_writer_prunes_old_records_at_start(sqlite_db):
+    sm = make_sessionmaker(make_engine(sqlite_db))
+    old = datetime.now(timezone.utc) - timedelta(days=8)
+    async with sm() as s:
+        await crud_records.insert_records(s, [record_row(outcome(1, finished_at=old)),
+                                              record_row(outcome(2, finished_at=old + timedelta(days=2)))])
+    w = RecordWriter(sm, retention_days=7, flush_interval_s=0.01)
+    w.start()
+    for _ in range(100):
+        async with sm() as s:
+            if await crud_records.count_records(s) == 1:
+                break
+        await asyncio.sleep(0.02)
+    await w.stop()
+    async with sm() as s:
+        rows, _ = await crud_records.query_records(s)
+    assert [r.id for r in rows] == ["req-2"]  # 8 days old: pruned; 6 days old: kept
+    await sm.kw["bind"].dispose()

@@ -49,7 +49,7 @@ def _run_regen(a) -> int:
         "new_prompts": st.new_prompts, "new_response_tokens": st.new_tokens, "seconds": round(st.seconds, 1),
         "tokens_per_s": round(st.tokens_per_s, 1),
         "tokens_per_cpu_s": round(st.tokens_per_cpu_s, 1), "prompts_done": st.prompts_done,
-        "skipped": st.skipped_long, "summary": summarize(a.out),
+        "skipped": st.skipped_long, "failed": st.failed, "summary": summarize(a.out),
     }, indent=2))  # fmt: skip
     return 0
 

@@ -270,6 +270,7 @@ class RegenStats:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     skipped_long: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -389,7 +390,7 @@ def regenerate(
     max_ctx = cfg.max_prompt_tokens + cfg.max_new_tokens + 8
     engine = LLMEngine(
         EngineConfig(dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, max_context=max_ctx,
-                     num_threads=num_threads, spec_method="none", max_waiting=10**6),
+                     num_threads=num_threads, spec_method="none", max_waiting=10**6, request_timeout_s=1e9),
         emit, model=model, tokenizer=tokenizer,
     )  # fmt: skip
     pending: list[Sample] = []
@@ -433,8 +434,8 @@ def regenerate(
             for rid in [k for k, r in results.items() if r["finish"] is not None]:
                 r = results.pop(rid)
                 in_engine -= 1
-                if r["finish"] == "failed":
-                    stats.skipped_long.append(rid)
+                if r["finish"] == "failed":  # not sharded → retried by the next run
+                    stats.failed.append(f"{rid}: {r.get('error')}")
                     continue
                 p = r["prompt"]
                 pending.append(Sample(rid, p["category"], r["ids"] + r["tokens"], len(r["ids"]), r["finish"],
@@ -443,7 +444,9 @@ def regenerate(
                 stats.new_tokens += len(r["tokens"])
                 if bar is not None:
                     el = time.monotonic() - t0
-                    bar.set_postfix(tok_s=f"{stats.new_tokens / max(el, 1e-9):.0f}", refresh=False)
+                    cpu = time.process_time() - c0
+                    bar.set_postfix(tok_s=f"{stats.new_tokens / max(el, 1e-9):.1f}",
+                                    tok_cpu_s=f"{stats.new_tokens / max(cpu, 1e-9):.1f}", refresh=False)
                     bar.update(1)
                 if len(pending) >= shard_size:
                     flush()

@@ -274,6 +274,7 @@ class _Waiter:
     seq: int
     tenant: str
     tier: TierPolicy
+    ticket: Ticket
     future: asyncio.Future
     blocked: str = ""  # why the last check failed (for the 429 message)
     predicted: float | None = None
@@ -369,8 +370,7 @@ class AdmissionController:
                                "insufficient_quota")
             grant = await self.limiter.acquire(self._limits(principal.tenant, policy), ctx.prompt_tokens + ctx.max_tokens)
             ticket = Ticket(ctx.request_id, principal.tenant, principal.key_id, tier, grant, headers=grant.headers())
-            waiter = await self._queue(request, principal.tenant, tier, t0)
-            ticket.predicted_tokens_per_s, ticket.batch_size = waiter.predicted, waiter.batch_size
+            await self._queue(request, ticket, t0)  # registered in self.active when granted
         except BaseException as exc:
             if grant is not None:
                 await grant.settle(0)
@@ -385,12 +385,12 @@ class AdmissionController:
             raise
         ticket.wait_s = ctx.admission_wait_s = time.monotonic() - t0
         ctx.predicted_tokens_per_s = ticket.predicted_tokens_per_s
-        self.active[ctx.request_id] = ticket
         return ticket
 
-    async def _queue(self, request: Request, tenant: str, tier: TierPolicy, t0: float) -> _Waiter:
+    async def _queue(self, request: Request, ticket: Ticket, t0: float) -> None:
         loop = asyncio.get_running_loop()
-        w = _Waiter(tier.priority, next(self._seq), tenant, tier, loop.create_future())
+        tier = ticket.tier
+        w = _Waiter(tier.priority, next(self._seq), ticket.tenant, tier, ticket, loop.create_future())
         self._waiters.append(w)
         self._waiters.sort(key=lambda x: (-x.priority, x.seq))
         self._pump()
@@ -410,8 +410,7 @@ class AdmissionController:
                 await unless_disconnected(request, wait)
         except BaseException:
             if w.future.done() and not w.future.cancelled():  # granted, then the client left
-                self.tenant_active[tenant] -= 1
-                self._pump()
+                self.release(ticket.request_id)
             raise
         finally:
             if w in self._waiters:
@@ -420,7 +419,6 @@ class AdmissionController:
                 w.future.cancel()
         if w.future.cancelled():
             raise self._timeout_error(w, time.monotonic() - t0)
-        return w
 
     def _timeout_error(self, w: _Waiter, waited: float) -> APIError:
         tier = w.tier
@@ -462,8 +460,10 @@ class AdmissionController:
         for w in list(self._waiters):
             if w.future.done():
                 self._waiters.remove(w)
-            elif self._check(w):
+            elif self._check(w):  # admitted: counted at once, so the next checks see it
                 self.tenant_active[w.tenant] += 1
+                w.ticket.predicted_tokens_per_s, w.ticket.batch_size = w.predicted, w.batch_size
+                self.active[w.ticket.request_id] = w.ticket
                 self._waiters.remove(w)
                 w.future.set_result(True)
 

@@ -138,36 +138,40 @@ async def test_sla_admission_times_out_with_a_clear_429_and_never_blocks_higher_
 
 
 async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
-    """One slot (SLA hold on everything below gold): queued bronze and silver requests
-    are admitted silver first, bronze in arrival order."""
-    backend = FakeBackend(token_delay_s=0.1)
+    """Any concurrency breaks every target (30 tok/s alone, 15 with company). Queued
+    while gold runs: bronze₁, silver, bronze₂. Silver goes first (priority), then bronze
+    in arrival order (its tenant runs one at a time); a request admitted in the same pass
+    counts for the next check, so bronze never overlaps silver."""
+    backend = FakeBackend(token_delay_s=0.05)
     async with running_app(sqlite_db, backend) as (app, client):
         await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
-                                   "silver": {"priority": 5, "max_queue_wait_s": 10},
-                                   "bronze": {"priority": 0, "max_queue_wait_s": 10}},
+                                   "silver": {"min_tokens_per_s": 20, "priority": 5, "max_queue_wait_s": 10},
+                                   "bronze": {"priority": 0, "max_concurrent": 1, "max_queue_wait_s": 10}},
                           {"g": "gold", "s": "silver", "b": "bronze"})
         keys = {t: await new_key(client, t) for t in "gsb"}
-        sla_app_setup(app, lambda n: 30.0 / n if n > 1 else 30.0)
-        order = []
+        sla_app_setup(app, lambda n: 30.0 if n == 1 else 15.0)
+        ctl = app.state.admission
+        order, overlap = [], []
         orig = backend.generate
 
         def spy(req):
             order.append(req.tenant)
+            overlap.append(backend._running)  # generations already running when this one starts
             return orig(req)
 
         backend.generate = spy
         gold = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys["g"])))
-        await asyncio.sleep(0.03)
+        while not ctl.active:
+            await asyncio.sleep(0.005)
         queued = []
         for i, t in enumerate(("b", "s", "b")):
             queued.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys[t]))))
-            while len(app.state.admission._waiters) < i + 1:  # queued in this order
+            while len(ctl._waiters) < i + 1:  # queued in this order
                 await asyncio.sleep(0.005)
-        assert not gold.done() and [w.tenant for w in app.state.admission._waiters] == ["s", "b", "b"]
-        await gold
+        assert not gold.done() and [w.tenant for w in ctl._waiters] == ["s", "b", "b"]
+        assert (await gold).status_code == 200
         assert all(r.status_code == 200 for r in await asyncio.gather(*queued))
-        # when gold ends every waiter is admissible; the pump grants them in priority order
-        assert order == ["g", "s", "b", "b"]
+        assert order == ["g", "s", "b", "b"] and overlap == [0, 0, 0, 0]  # one at a time
 
 
 async def test_client_leaving_while_queued_is_reported_cancelled_once():

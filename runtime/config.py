@@ -32,6 +32,14 @@ class EngineConfig:
             ``None`` → the committed default (or random init if none exists).
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
         seed: seed for random drafter init / engine-level randomness.
+        sps_table_path: JSON SPS table (``runtime.dspark.sps.SpsTable.save``) to use as
+            is for the ``dspark`` policies — no cache lookup, no profiling (e.g. the
+            committed ``tests/data/sps_table.json``). ``None`` → the cached profile
+            matching this engine, else the fallback table.
+        profile_on_start: when no cached profile matches, profile the SPS table at
+            start-up (bounded: ~10–20 s on the 2-core CPU, see
+            ``runtime.dspark.profile_engine``) and cache it. ``False`` (default; tests)
+            never profiles: cached profile or fallback table.
     """
 
     dtype: str = "bfloat16"
@@ -47,3 +55,5 @@ class EngineConfig:
     draft_checkpoint: str | None = None
     num_speculative_tokens: int = 7
     seed: int = 0
+    sps_table_path: str | None = None
+    profile_on_start: bool = False

@@ -82,6 +82,10 @@ class LLMEngine:
         self.speculator = (
             Speculator(config, self.model, config.max_batch_size, self.cache.max_len) if config.spec_method != "none" else None
         )
+        if self.speculator is not None and config.profile_on_start:
+            from runtime.dspark.profile_engine import ensure_profiled
+
+            ensure_profiled(self)  # cached SPS profile, else profile now (paper §3.2.2)
         self.forward_steps = 0
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts

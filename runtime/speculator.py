@@ -79,7 +79,11 @@ class Speculator:
             ``num_speculative_tokens`` = γ served).
         target: the target model (the drafter shares its embeddings and LM head).
         num_slots, max_len: geometry of the target KV cache (slot ids are shared).
-        sps_table: SPS table for the ``dspark`` policies (fallback table if ``None``).
+        sps_table: SPS table for the ``dspark`` policies; ``None`` →
+            :func:`runtime.dspark.profile_engine.initial_sps_table`
+            (``config.sps_table_path``, else a cached profile matching this engine,
+            else :func:`fallback_sps_table`; never profiles — the engine calls
+            :func:`~runtime.dspark.profile_engine.ensure_profiled` for that).
 
     Raises:
         ValueError: unknown ``spec_method``/``spec_policy``.
@@ -101,7 +105,11 @@ class Speculator:
         # The parallel-only ablation and prompt lookup have no calibrated confidence
         # worth scheduling on: they verify their whole block.
         self.policy = config.spec_policy if self.method == "dspark" else "fixed"
-        self.sps_table = sps_table or fallback_sps_table()
+        if sps_table is None:
+            from runtime.dspark.profile_engine import initial_sps_table
+
+            sps_table = initial_sps_table(config, target, self)
+        self.sps_table = sps_table
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):

@@ -121,7 +121,10 @@ def test_client_disconnect_frees_the_slot(live_server):
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", live_server.base_url + "/v1/chat/completions", json=body, headers=live_server.headers()) as r:
             got = 0
-            for line in r.iter_lines():
+            # Keep a reference to the line iterator: a dropped (garbage-collected)
+            # iterator closes httpx's stream, i.e. disconnects before we look.
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: ") and '"content"' in line:
                     got += 1
                 if got >= 5:

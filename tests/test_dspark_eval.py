@@ -129,3 +129,24 @@ def test_t1_expected_acceptance_and_report(setup, target_fp32, tokenizer, tmp_pa
     md = (tmp_path / "r.md").read_text()
     assert "| dspark |" in md and "| prompt-lookup |" in md
     assert (tmp_path / "r-tau.png").stat().st_size > 1000 and (tmp_path / "r-position.png").stat().st_size > 1000
+
+
+@pytest.mark.model
+def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_path):
+    from runtime.dspark.checkpoint import load_drafter
+    from runtime.dspark.data import Sample, write_shard
+    from runtime.dspark.evaluate import calibrate_sts
+
+    prompts, ids, ar, dr = setup
+    write_shard(tmp_path / "data", 0, [Sample(f"h:{i}", "chat", pid, len(pid), "length", True) for i, pid in enumerate(ids)]
+                + [Sample("t:0", "chat", ids[0] + [1, 2], len(ids[0]), "stop", False)])  # fmt: skip
+    ck = save_drafter(dr, tmp_path / "ck")
+    rep = calibrate_sts(ck, tmp_path / "data", max_samples=8, max_new_tokens=MAX_NEW, target=target_fp32,
+                        tokenizer=tokenizer, progress=False)  # fmt: skip
+    assert rep["heldout_prompts"] == 3 and rep["anchors"] == sum(len(g.tokens) - 1 for g in ar)
+    temps = load_drafter(ck, target_fp32).cfg.sts_temperatures
+    assert temps == pytest.approx(rep["temperatures"], abs=1e-4) and len(temps) == 7 and all(t > 0 for t in temps)
+    assert rep["n_valid"][0] == rep["anchors"]
+    k1 = rep["ece_after"][0], rep["ece_before"][0]
+    assert k1[0] <= k1[1] + 1e-9  # the fit never makes position 1 worse than T = 1
+    assert json.loads((ck / "calibration.json").read_text())["temperatures"] == rep["temperatures"]

@@ -211,11 +211,11 @@ def test_training_smoke_loss_falls_and_resumes(tmp_path, target_fp32, tokenizer)
         return lo
 
     cfg.steps = 3
-    r1 = train(cfg, teacher=target_fp32, target32=target_fp32, data=data, progress=False)
+    r1 = train(cfg, target=target_fp32, data=data, progress=False)
     assert r1["steps"] == 3
     before = fixed_loss(init_drafter(target_fp32, cfg))
     cfg.steps = 6
-    r2 = train(cfg, teacher=target_fp32, target32=target_fp32, data=data, progress=False)  # resumes at 3
+    r2 = train(cfg, target=target_fp32, data=data, progress=False)  # resumes at 3
     after = fixed_loss(r2["drafter"])
     rows = [json.loads(x) for x in (tmp_path / "ck" / "train_log.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["kind"] == "train"]

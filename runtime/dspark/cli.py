@@ -54,14 +54,144 @@ def _run_regen(a) -> int:
     return 0
 
 
+def _add_train(sub) -> None:
+    from runtime.dspark.train import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a drafter (online teacher features; resumable)")
+    p.add_argument("--data", default=d.data_dir, help="regenerated data dir")
+    p.add_argument("--out", default=d.out, help="checkpoint dir (never the served default unless you mean it)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (LR schedule length)")
+    p.add_argument("--minutes", type=float, default=None, help="stop and save after this wall time")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    p.add_argument("--seqs-per-micro", type=int, default=d.seqs_per_micro)
+    p.add_argument("--anchors", type=int, default=d.anchors_per_seq, help="random anchors (blocks) per sequence")
+    p.add_argument("--accum", type=int, default=d.accum, help="micro-batches per optimizer step")
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--block-size", type=int, default=7, help="γ")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--markov-rank", type=int, default=64, help="0 = parallel-only (rank-0 ablation)")
+    p.add_argument("--markov-variant", default="vanilla", choices=["vanilla", "gated"])
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--val-every", type=int, default=d.val_every)
+    p.add_argument("--val-seqs", type=int, default=d.val_seqs)
+    p.add_argument("--no-resume", action="store_true", help="start fresh even if OUT has a train_state.pt")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _run_train(a) -> int:
+    from runtime.dspark.config import DrafterConfig
+    from runtime.dspark.train import TrainConfig, train
+
+    dcfg = DrafterConfig(block_size=a.block_size, num_layers=a.num_layers, markov_rank=a.markov_rank,
+                         markov_variant=a.markov_variant, init_seed=a.seed)
+    cfg = TrainConfig(
+        data_dir=a.data, out=a.out, drafter=dcfg.to_dict(), seqs_per_micro=a.seqs_per_micro,
+        anchors_per_seq=a.anchors, accum=a.accum, max_len=a.max_len, lr=a.lr, warmup_frac=a.warmup_frac,
+        steps=a.steps, max_minutes=a.minutes, save_every=a.save_every, val_every=a.val_every,
+        val_seqs=a.val_seqs, threads=a.threads, seed=a.seed,
+    )  # fmt: skip
+    r = train(cfg, resume=not a.no_resume, progress=not a.no_progress)
+    r.pop("drafter")
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+def _add_calibrate(sub) -> None:
+    from runtime.dspark.data import DEFAULT_OUT
+
+    p = sub.add_parser("calibrate", help="fit STS temperatures on the held-out split into a checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", default=str(DEFAULT_OUT))
+    p.add_argument("--max-samples", type=int, default=100, help="held-out prompts to use")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dry-run", action="store_true", help="print, do not write the checkpoint")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _run_calibrate(a) -> int:
+    import torch
+
+    from runtime.dspark.evaluate import calibrate_sts
+
+    torch.set_num_threads(a.threads)
+    r = calibrate_sts(a.checkpoint, a.data, max_samples=a.max_samples, max_new_tokens=a.max_new_tokens,
+                      dtype=getattr(torch, a.dtype), write=not a.dry_run, progress=not a.no_progress)
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+def _add_eval(sub) -> None:
+    from runtime.dspark.evaluate import TASK_CAPS
+
+    p = sub.add_parser("eval", help="τ on the DeepSpec eval sets (T=0 exact, T=1 expected)")
+    p.add_argument("--checkpoint", default=None, help="DSpark drafter checkpoint (method 'dspark')")
+    p.add_argument("--parallel-checkpoint", default=None, help="rank-0 ablation checkpoint (method 'parallel')")
+    p.add_argument("--random-baseline", action="store_true", help="also a randomly initialised drafter")
+    p.add_argument("--no-prompt-lookup", action="store_true")
+    p.add_argument("--tasks", default=",".join(TASK_CAPS))
+    p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--report", default="docs/drafter-eval", help="writes REPORT.md, REPORT-tau.png, "
+                   "REPORT-position.png, REPORT.json")
+    p.add_argument("--title", default="Drafter τ (DeepSpec protocol)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _run_eval(a) -> int:
+    import torch
+
+    from runtime.dspark.checkpoint import load_drafter
+    from runtime.dspark.config import DrafterConfig
+    from runtime.dspark.drafter import DSparkDrafter
+    from runtime.dspark.evaluate import DrafterMethod, PromptLookupMethod, evaluate, load_eval_prompts, write_report
+    from runtime.engine import load_tokenizer
+    from runtime.models.llama import load_llama
+    from runtime.models.loader import ensure_converted
+
+    torch.set_num_threads(a.threads)
+    mdir = ensure_converted()
+    target, tok = load_llama(mdir, getattr(torch, a.dtype)), load_tokenizer(mdir)
+    methods = []
+    if a.checkpoint:
+        methods.append(DrafterMethod("dspark", load_drafter(a.checkpoint, target)))
+    if a.parallel_checkpoint:
+        methods.append(DrafterMethod("parallel", load_drafter(a.parallel_checkpoint, target)))
+    if a.random_baseline:
+        methods.append(DrafterMethod("random-init", DSparkDrafter(target, DrafterConfig())))
+    if not a.no_prompt_lookup:
+        methods.append(PromptLookupMethod(methods[0].gamma if methods else 7))
+    prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.max_samples)
+    res = evaluate(target, tok, methods, prompts, max_new_tokens=a.max_new_tokens,
+                   temperatures=[float(t) for t in a.temperatures.split(",")], progress=not a.no_progress)
+    res["checkpoints"] = {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint}
+    rep = Path(a.report)
+    rep.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{rep}.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_report(res, Path(f"{rep}.md"), rep, a.title)
+    print(json.dumps(res["summary"], indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark drafter pipeline (docs/drafter.md)")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_regen(sub)
+    _add_train(sub)
+    _add_calibrate(sub)
+    _add_eval(sub)
     return p
 
 
-RUNNERS = {"regen": _run_regen}
+RUNNERS = {"regen": _run_regen, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

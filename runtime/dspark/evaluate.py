@@ -520,3 +520,93 @@ def write_report(res: dict, out_md: Path, png_prefix: Path, title: str = "Drafte
     fig.tight_layout()
     fig.savefig(f"{png_prefix}-position.png", dpi=100)
     plt.close(fig)
+
+
+# -- STS calibration (paper §3.2.1) ---------------------------------------------------------------
+
+def calibrate_sts(
+    checkpoint: str | Path,
+    data_dir: str | Path,
+    *,
+    max_samples: int = 100,
+    max_new_tokens: int = 256,
+    dtype: torch.dtype = torch.bfloat16,
+    target=None,
+    tokenizer=None,
+    write: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Fit Sequential Temperature Scaling on the held-out split and store it in the checkpoint.
+
+    The target's greedy completions of up to ``max_samples`` held-out prompts are
+    generated (engine, no speculation); at EVERY anchor of each completion the
+    drafter's T = 0 block (served dtype, its own Markov chain) gives the confidence
+    logits z_k (with the drafter's own previous tokens, as served) and the accepted
+    prefix length a (leading d_k = y_{p+k}); ℓ = the positions that exist before the
+    completion ends. :func:`runtime.dspark.sts.survival_labels` (a, γ, ℓ) and
+    :func:`runtime.dspark.sts.fit_sts` give T_1..T_γ, written into
+    ``config.json``'s ``drafter.sts_temperatures`` (weights untouched) with a
+    ``calibration.json`` report next to it.
+
+    Returns:
+        the report dict (temperatures, ECE before/after per position, counts).
+    """
+    from runtime.dspark.checkpoint import load_drafter
+    from runtime.dspark.data import load_data
+    from runtime.dspark.sts import fit_sts, survival_labels
+
+    if target is None or tokenizer is None:
+        from runtime.engine import load_tokenizer
+        from runtime.models.llama import load_llama
+        from runtime.models.loader import ensure_converted
+
+        mdir = ensure_converted()
+        target = target or load_llama(mdir, dtype)
+        tokenizer = tokenizer or load_tokenizer(mdir)
+    ckpt = Path(checkpoint)
+    drafter = load_drafter(ckpt, target)
+    method = DrafterMethod("dspark", drafter)
+    g = drafter.block_size
+    data = load_data(data_dir)
+    rows = data.indices("heldout")[:max_samples]
+    prompts = [data.sequence(int(i))[: int(data.prompt_lens[i])].tolist() for i in rows]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=2 * len(prompts), desc="calibrate", unit="item", dynamic_ncols=True)
+    gens = run_engine(target, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens,
+                      progress=(lambda k: bar.update(k)) if bar is not None else None)
+    logits, acc, ver = [], [], []
+    for pid, gen in zip(prompts, gens):
+        n, M = len(pid), len(gen.tokens)
+        if M >= 2:
+            seq = torch.tensor(pid + gen.tokens)
+            tb = teacher_forward(target, [seq], [n], drafter.tap_layers)
+            bs = method.greedy_blocks(seq, tb.taps[0], n, want_conf=True)
+            ell = slot_valid(n, seq.numel(), g).sum(1)
+            a = np.array([int(np.argmin(np.append(m[:l], False))) for m, l in zip(bs.match, ell)])
+            logits.append(bs.conf_logits)
+            acc.append(a)
+            ver.append(ell)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    z = np.concatenate(logits)
+    survived, mask = survival_labels(np.concatenate(acc), g, np.concatenate(ver))
+    res = fit_sts(z, survived, mask)
+    report = {
+        "checkpoint": str(ckpt), "heldout_prompts": len(prompts), "anchors": int(z.shape[0]),
+        "temperatures": [round(t, 5) for t in res.temperatures],
+        "ece_before": [round(x, 5) for x in res.ece_before], "ece_after": [round(x, 5) for x in res.ece_after],
+        "n_valid": list(res.n_valid), "mean_accepted_per_anchor": round(float(np.concatenate(acc).mean()), 4),
+        "labels": "T=0 greedy, all anchors", "max_new_tokens": max_new_tokens, "dtype": str(dtype),
+    }  # fmt: skip
+    if write:
+        cfg_path = ckpt / "config.json"
+        meta = json.loads(cfg_path.read_text())
+        meta["drafter"]["sts_temperatures"] = [float(t) for t in res.temperatures]
+        cfg_path.write_text(json.dumps(meta, indent=2) + "\n")
+        (ckpt / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

@@ -26,9 +26,11 @@ the frozen target's next-token distribution at the same position (T = 1), from i
 final hidden state through the shared LM head (:mod:`runtime.dspark.features`).
 The confidence logit z_k uses ``[h_k ; W1[x_{k−1}]]`` with the same x_{k−1}.
 
-Loop (:func:`train`). Target in bf16 (as served) for the teacher; the drafter's
-backbone is trained in fp32 on an fp32 copy of the target (shared embeddings / LM
-head, frozen); the checkpoint loader casts it to the serving dtype. AdamW with
+Loop (:func:`train`). One frozen target in bf16 (as served) gives the teacher
+features and p_t and is the drafter's shared embedding / LM head; the drafter's
+trainable weights are fp32 master weights (:func:`fp32_backbone`; the LM-head matmul
+runs in bf16, mixed precision) and the checkpoint loader casts them to the serving
+dtype. AdamW with
 linear warmup and cosine decay to ``min_lr_ratio``, gradient accumulation, grad-norm
 clipping, periodic checkpoints (:func:`runtime.dspark.checkpoint.save_drafter` +
 ``train_state.pt``), resume, validation on held-out sequences, a JSONL log and a
@@ -278,10 +280,37 @@ class TrainConfig:
 
 def init_drafter(target, cfg: TrainConfig) -> DSparkDrafter:
     """A fresh drafter for training: the architecture's random init
-    (``DrafterConfig.init_seed``), then W2 = 0 if ``cfg.zero_init_markov_w2``."""
-    drafter = DSparkDrafter(target, DrafterConfig.from_dict(dict(cfg.drafter)))
+    (``DrafterConfig.init_seed``), fp32 backbone (:func:`fp32_backbone`), then W2 = 0 if
+    ``cfg.zero_init_markov_w2``."""
+    drafter = fp32_backbone(DSparkDrafter(target, DrafterConfig.from_dict(dict(cfg.drafter))))
     if cfg.zero_init_markov_w2 and drafter.markov is not None:
         drafter.markov.w2.weight.data.zero_()
+    return drafter
+
+
+def fp32_backbone(drafter: DSparkDrafter) -> DSparkDrafter:
+    """Keep the backbone's master weights in fp32 while the drafter stays bound to a bf16
+    target (mixed precision: the frozen embeddings / LM head matmuls run in bf16, ~2.5× faster
+    on AVX512-BF16 CPUs; everything trainable and every norm / attention runs in fp32)."""
+    for mod in (drafter.fc, drafter.hidden_norm, drafter.layers, drafter.norm):
+        mod.float()
+    drafter.mask_embedding.data = drafter.mask_embedding.data.float()
+    return drafter
+
+
+def load_for_training(path: str | Path, target) -> DSparkDrafter:
+    """Load a checkpoint to continue training, without rounding the fp32 master weights."""
+    from safetensors.torch import load_file
+
+    from runtime.dspark.checkpoint import read_config
+
+    drafter = fp32_backbone(DSparkDrafter(target, read_config(path)))
+    sd = load_file(str(Path(path) / "model.safetensors"))
+    own = drafter.state_dict()
+    if set(sd) != set(own):
+        raise ValueError(f"{path}: weights do not match the drafter config")
+    for k, v in own.items():
+        v.copy_(sd[k].to(v.dtype))
     return drafter
 
 
@@ -334,34 +363,32 @@ def plot_curve(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def build_models(threads: int = 2):
-    """(teacher bf16 target, fp32 target for the drafter) loaded from the model cache."""
+def build_target(threads: int = 2, dtype: torch.dtype = torch.bfloat16):
+    """The frozen target from the model cache (bf16 = as served)."""
     from runtime.models.llama import load_llama
     from runtime.models.loader import ensure_converted
 
     torch.set_num_threads(threads)
-    mdir = ensure_converted()
-    return load_llama(mdir, torch.bfloat16), load_llama(mdir, torch.float32)
+    return load_llama(ensure_converted(), dtype)
 
 
-def train(cfg: TrainConfig, teacher=None, target32=None, data=None, resume: bool = True, progress: bool = True) -> dict:
+def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progress: bool = True) -> dict:
     """Train (or resume) a drafter; returns a summary dict (see docs/drafter.md).
 
     Args:
         cfg: run settings.
-        teacher: frozen target for features/p_t (default: bf16 from the cache).
-        target32: fp32 target the drafter is bound to (default: from the cache).
+        target: the frozen target: teacher features / p_t, and the drafter's shared
+            embeddings / LM head (default: bf16 from the cache, as served).
         data: a :class:`runtime.dspark.data.DrafterData` (default: ``cfg.data_dir``).
         resume: continue from ``cfg.out/train_state.pt`` if present.
         progress: tqdm bar.
     """
-    from runtime.dspark.checkpoint import load_drafter, save_drafter
+    from runtime.dspark.checkpoint import save_drafter
     from runtime.dspark.data import load_data
 
     torch.set_num_threads(cfg.threads)
-    if teacher is None or target32 is None:
-        t16, t32 = build_models(cfg.threads)
-        teacher, target32 = teacher or t16, target32 or t32
+    target = target if target is not None else build_target(cfg.threads)
+    teacher = target
     data = data if data is not None else load_data(cfg.data_dir)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -371,13 +398,13 @@ def train(cfg: TrainConfig, teacher=None, target32=None, data=None, resume: bool
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     if resume and state_path.exists():
-        drafter = load_drafter(out, target32)
+        drafter = load_for_training(out, target)
         st = torch.load(state_path, weights_only=False)
         step, t_used = st["step"], st["seconds"]
         rng.bit_generator.state = st["np_rng"]
         gen.set_state(st["torch_rng"])
     else:
-        drafter = init_drafter(target32, cfg)
+        drafter = init_drafter(target, cfg)
         log_path.write_text("")
         st = None
     drafter.train().requires_grad_(True)

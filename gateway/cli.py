@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_tenants_set_tier)
     tenants.add_parser("list", help="list tenants and their tiers").set_defaults(func=cmd_tenants_list)
 
+    for name, (_, _, help_text) in PASSTHROUGH.items():  # listed in --help; dispatched in main()
+        sub.add_parser(name, add_help=False, help=help_text)
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="db_command", required=True)
     up = db.add_parser("upgrade", help="migrate up (default: head)")
     up.add_argument("revision", nargs="?", default="head")
@@ -310,7 +312,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands whose options belong to another tool: their argv is passed through
+# untouched (argparse cannot forward unknown flags such as SGLang's --model-path).
+PASSTHROUGH = {
+    "sglang-launch": ("runtime.sglang.launch", [], "install the SLA plugin into SGLang's env and exec sglang.launch_server with DSpark"),
+    "profile": ("runtime.dspark.profile_engine", [], "measure the engine's SPS table (rounds/s vs verification tokens) and cache it"),
+    "regen-data": ("runtime.dspark.cli", ["regen"], "regenerate drafter training responses with the target (resumable)"),
+    "train-drafter": ("runtime.dspark.cli", ["train"], "train a DSpark drafter (online target features)"),
+    "calibrate-drafter": ("runtime.dspark.cli", ["calibrate"], "fit STS temperatures into a drafter checkpoint"),
+    "eval": ("runtime.dspark.cli", ["eval"], "accepted length τ on the DeepSpec eval sets"),
+}
+
+
+def _passthrough(name: str, argv: list[str]) -> int:
+    import importlib
+
+    module, prefix, _ = PASSTHROUGH[name]
+    return int(importlib.import_module(module).main(prefix + argv) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in PASSTHROUGH:
+        return _passthrough(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -36,7 +36,7 @@ def build_backend(settings: Settings) -> Backend:
     """The embedded engine described by ``settings`` (imported lazily: tests never need it)."""
     from runtime.factory import create_backend
 
-    return create_backend(settings.engine_config())
+    return create_backend(settings.backend_config())
 
 
 async def _start_backend(backend: Backend) -> None:

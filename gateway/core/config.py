@@ -6,7 +6,7 @@ List values accept JSON (``["a","b"]``) or a comma-separated string.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -56,6 +56,8 @@ class Settings(BaseSettings):
         sla_admission: hold requests that would push a higher-priority tier below its target.
         admission_step_s: prior per-token decode step time (seconds) of the SLA speed model
             before the engine has been measured.
+        backend: ``embedded`` (this process's engine) or ``sglang`` (stream from SGLang
+            servers, see docs/deploy-gpu.md); the ``sglang_*`` fields configure the latter.
     """
 
     model_config = SettingsConfigDict(env_prefix="SPARKGATE_", env_file=".env", extra="ignore")
@@ -89,8 +91,19 @@ class Settings(BaseSettings):
     rollup_interval_s: float = 10.0
     sla_admission: bool = True
     admission_step_s: float = 0.02
+    backend: Literal["embedded", "sglang"] = "embedded"
+    sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    sglang_tokenizer_path: str | None = None
+    sglang_api_key: str | None = None
+    sglang_send_priority: bool = False
+    sglang_priority_low_values_first: bool = False
+    sglang_sla_max_weight: float = 4.0
+    sglang_incremental_streaming_output: bool | None = None
+    sglang_health_path: str = "/health"
+    sglang_health_interval_s: float = 10.0
+    sglang_max_in_flight_per_upstream: int | None = None
 
-    @field_validator("cors_origins", mode="before")
+    @field_validator("cors_origins", "sglang_urls", mode="before")
     @classmethod
     def _split_origins(cls, value: object) -> object:
         if isinstance(value, str):
@@ -114,4 +127,26 @@ class Settings(BaseSettings):
             spec_policy=self.spec_policy,
             draft_checkpoint=self.draft_checkpoint,
             num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    def backend_config(self):
+        """:class:`EngineConfig` (embedded) or ``runtime.sglang.client.SGLangConfig``."""
+        if self.backend != "sglang":
+            return self.engine_config()
+        from runtime.sglang.client import SGLangConfig
+
+        return SGLangConfig(
+            urls=tuple(self.sglang_urls),
+            model_name=self.model_name,
+            max_context=self.max_context,
+            tokenizer_path=self.sglang_tokenizer_path,
+            api_key=self.sglang_api_key,
+            send_priority=self.sglang_send_priority,
+            priority_low_values_first=self.sglang_priority_low_values_first,
+            sla_max_weight=self.sglang_sla_max_weight,
+            incremental_streaming_output=self.sglang_incremental_streaming_output,
+            request_timeout_s=self.request_timeout_s,
+            health_path=self.sglang_health_path,
+            health_interval_s=self.sglang_health_interval_s,
+            max_in_flight_per_upstream=self.sglang_max_in_flight_per_upstream,
         )

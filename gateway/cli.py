@@ -96,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("Created the first API key (tenant 'default'). It is shown only this once:\n")
         print(f"    {key}")
         print(quickstart(key, settings), flush=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                timeout_graceful_shutdown=settings.shutdown_timeout_s)
     return 0
 
 

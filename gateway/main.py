@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from gateway.admission import AdmissionController
+from gateway.bodylimit import BodyLimitMiddleware
 from gateway.api.routes import admin, chat, completions, engine, health, models, usage
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                    usage.router):
         app.include_router(router)
     install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)

@@ -73,7 +73,9 @@ def test_serve_migrates_bootstraps_a_key_once_and_runs_uvicorn(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     calls = []
     monkeypatch.setattr("gateway.main.build_backend", lambda settings: FakeBackend())
-    monkeypatch.setattr("uvicorn.run", lambda app, host, port: calls.append((app, host, port)))
+    grace = []
+    monkeypatch.setattr("uvicorn.run", lambda app, host, port, timeout_graceful_shutdown=None:
+                        (calls.append((app, host, port)), grace.append(timeout_graceful_shutdown)))
 
     assert cli.main(["serve", "--port", "9123"]) == 0
     out = capsys.readouterr().out
@@ -84,6 +86,7 @@ def test_serve_migrates_bootstraps_a_key_once_and_runs_uvicorn(tmp_path, monkeyp
     assert f'"model": "{MODEL}"' in out
     app, host, port = calls[0]
     assert (host, port) == ("127.0.0.1", 9123) and app.state.settings.database_url == url
+    assert grace[0] == app.state.settings.shutdown_timeout_s == 30.0  # graceful SIGTERM drain
     assert http(url, key, "GET", "/v1/models")[0].status_code == 200
 
     assert cli.main(["serve"]) == 0  # second run: a key exists, nothing printed

@@ -56,6 +56,11 @@ class Settings(BaseSettings):
         sla_admission: hold requests that would push a higher-priority tier below its target.
         admission_step_s: prior per-token decode step time (seconds) of the SLA speed model
             before the engine has been measured.
+        max_body_bytes: largest accepted request body (bytes); larger → 413 before it is
+            read (``gateway.bodylimit``). 0 disables the limit.
+        shutdown_timeout_s: on SIGTERM, ``sparkgate serve`` stops accepting and lets
+            in-flight requests finish for at most this long (uvicorn
+            ``timeout_graceful_shutdown``), then flushes request records and exits.
         backend: ``embedded`` (this process's engine) or ``sglang`` (stream from SGLang
             servers, see docs/deploy-gpu.md); the ``sglang_*`` fields configure the latter.
     """
@@ -91,6 +96,8 @@ class Settings(BaseSettings):
     rollup_interval_s: float = 10.0
     sla_admission: bool = True
     admission_step_s: float = 0.02
+    max_body_bytes: int = 2_000_000
+    shutdown_timeout_s: float = 30.0
     backend: Literal["embedded", "sglang"] = "embedded"
     sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
     sglang_tokenizer_path: str | None = None

@@ -125,6 +125,23 @@ def from_validation_error(exc: ValidationError | RequestValidationError, strip_b
     return invalid_request(f"Invalid value{where}: {err.get('msg', 'invalid')}", param, "invalid_value")
 
 
+async def _auth_first(request: Request) -> JSONResponse | None:
+    """FastAPI parses a route's body before running its dependencies, so an unparsable
+    body would be refused 400 before authentication. Check the key first (no key → 401,
+    tenant key on an admin route → 403), like every other request; None when allowed."""
+    from gateway.api.deps import require_admin, require_principal
+
+    if request.url.path in ("/healthz", "/readyz"):
+        return None
+    try:
+        principal = await require_principal(request)
+        if request.url.path.startswith("/admin/"):
+            await require_admin(principal)
+    except APIError as err:
+        return err.response()
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in the OpenAI shape (400 instead of FastAPI's 422)."""
 
@@ -133,11 +150,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if exc.errors() and exc.errors()[0].get("type") == "json_invalid":
+            refused = await _auth_first(request)
+            if refused is not None:
+                return refused
         return from_validation_error(exc, strip_body=True).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI: "There was an error parsing the body"
+            refused = await _auth_first(request)
+            if refused is not None:
+                return refused
         if exc.status_code == 404:
             err = APIError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url")
         elif exc.status_code == 405:
@@ -145,9 +170,20 @@ def install_error_handlers(app: FastAPI) -> None:
                            code="method_not_allowed")
         else:
             kind = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
-            err = APIError(exc.status_code, str(exc.detail), kind)
+            err = APIError(exc.status_code, str(exc.detail), kind,
+                           code="request_too_large" if exc.status_code == 413 else None)
         err.headers = dict(exc.headers or {})
         return err.response()
+
+    from sqlalchemy.exc import DataError
+
+    @app.exception_handler(OverflowError)
+    @app.exception_handler(DataError)
+    async def _out_of_range(request: Request, exc: Exception) -> JSONResponse:
+        # a value the database cannot store (e.g. an integer > 2**63: OverflowError from
+        # SQLite, DataError from asyncpg) is the client's error, not a 500
+        log.info("out-of-range value on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return invalid_request("A numeric value in the request is out of range.", None, "invalid_value").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -98,7 +98,7 @@ async def read_json_object(request: Request) -> dict:
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly nested JSON
         raise invalid_request("We could not parse the JSON body of your request. The body must be "
                               "a JSON object.", None, "invalid_json") from None
     if not isinstance(data, dict):

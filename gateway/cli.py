@@ -84,6 +84,8 @@ def bootstrap_key(settings: Settings) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
     import uvicorn
 
     from gateway.main import create_app
@@ -96,8 +98,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("Created the first API key (tenant 'default'). It is shown only this once:\n")
         print(f"    {key}")
         print(quickstart(key, settings), flush=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                timeout_graceful_shutdown=settings.shutdown_timeout_s)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown, with the handler
+    # that was installed before it ran; by default that kills the process (exit -15) after
+    # a clean drain. A no-op handler makes a SIGTERM-requested stop exit 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    timeout_graceful_shutdown=settings.shutdown_timeout_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

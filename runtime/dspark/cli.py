@@ -32,12 +32,26 @@ def _add_regen(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--shard-size", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster than 2 on a contended "
+                   "2-core box: no OpenMP spin-waits)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM → KeyboardInterrupt, so a background run (where SIGINT is ignored) still
+    writes its completed responses / checkpoint before exiting."""
+    import signal
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
 
 
 def _run_regen(a) -> int:
     from runtime.dspark.data import RegenConfig, regenerate, summarize
+
+    _stop_on_sigterm()
 
     cfg = RegenConfig(
         num_prompts=a.num_prompts, seed=a.seed, temperature=a.temperature, top_p=a.top_p,
@@ -78,7 +92,7 @@ def _add_train(sub) -> None:
     p.add_argument("--val-seqs", type=int, default=d.val_seqs)
     p.add_argument("--no-resume", action="store_true", help="start fresh even if OUT has a train_state.pt")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -94,6 +108,7 @@ def _run_train(a) -> int:
         steps=a.steps, max_minutes=a.minutes, save_every=a.save_every, val_every=a.val_every,
         val_seqs=a.val_seqs, threads=a.threads, seed=a.seed,
     )  # fmt: skip
+    _stop_on_sigterm()
     r = train(cfg, resume=not a.no_resume, progress=not a.no_progress)
     r.pop("drafter")
     print(json.dumps(r, indent=2))

@@ -251,7 +251,8 @@ class TrainConfig:
         val_seqs: held-out sequences in the fixed validation batch.
         zero_init_markov_w2: start with W2 = 0 (the Markov bias starts at 0 instead
             of random noise on the logits).
-        threads: torch threads.
+        threads: torch threads (1: on the shared 2-core box two threads cost ~2× the
+            CPU time per step, OpenMP spin-waits under contention).
         seed: data order, anchors, init.
     """
 
@@ -274,7 +275,7 @@ class TrainConfig:
     val_every: int = 25
     val_seqs: int = 8
     zero_init_markov_w2: bool = True
-    threads: int = 2
+    threads: int = 1
     seed: int = 0
 
 
@@ -469,9 +470,8 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
         if v:
             log({"kind": "val", "step": 0, **v})
             first = v
-    while step < cfg.steps:
-        if cfg.max_minutes is not None and (time.monotonic() - t_start) > cfg.max_minutes * 60:
-            break
+    def one_step() -> None:
+        nonlocal step, t_used, toks_total, blocks_total, last
         t0 = time.monotonic()
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
@@ -497,11 +497,10 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
         toks_total += ntok
         blocks_total += tau_n
         t_used = time.monotonic() - t_start
-        row = {"kind": "train", "step": step, **{k: round(v, 5) for k, v in agg.items()},
-               "tau_prob": round(tau_s / max(tau_n, 1), 4), "lr": lr_at(cfg, step - 1), "grad_norm": round(gnorm, 4),
-               "tokens": ntok, "slots": nslots, "seconds": round(dt, 2), "tokens_per_s": round(ntok / dt, 1),
-               "elapsed_s": round(t_used, 1)}  # fmt: skip
-        log(row)
+        log({"kind": "train", "step": step, **{k: round(v, 5) for k, v in agg.items()},
+             "tau_prob": round(tau_s / max(tau_n, 1), 4), "lr": lr_at(cfg, step - 1), "grad_norm": round(gnorm, 4),
+             "tokens": ntok, "slots": nslots, "seconds": round(dt, 2), "tokens_per_s": round(ntok / dt, 1),
+             "elapsed_s": round(t_used, 1)})  # fmt: skip
         if bar is not None:
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{agg['accept']:.3f}", tok_s=f"{ntok / dt:.0f}")
             bar.update(1)
@@ -512,8 +511,17 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
                 last = v
         if cfg.save_every and step % cfg.save_every == 0:
             save()
+
+    try:
+        while step < cfg.steps:
+            if cfg.max_minutes is not None and (time.monotonic() - t_start) > cfg.max_minutes * 60:
+                break
+            one_step()
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM (the CLI maps it): keep what was learnt
+        pass
     if bar is not None:
         bar.close()
+    opt.zero_grad(set_to_none=True)
     v = validate()
     if v:
         log({"kind": "val", "step": step, **v})
@@ -522,4 +530,5 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
     save()
     drafter.eval().requires_grad_(False)
     return {"steps": step, "seconds": round(t_used, 1), "tokens": toks_total, "blocks": blocks_total,
-            "val_first": first, "val_last": last, "out": str(out), "drafter": drafter}
+            "tokens_per_s": round(toks_total / max(t_used, 1e-9), 1), "val_first": first, "val_last": last,
+            "out": str(out), "drafter": drafter}

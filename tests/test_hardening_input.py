@@ -237,3 +237,29 @@ def test_four_stop_strings_ok_and_unknown_fields_ignored(server):
     r = httpx.post(base + URL, json=chat(stop=["a", "b", "c", "d"], some_future_field={"x": 1}, foo=3),
                    headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- against the real model
+
+@pytest.mark.model
+def test_live_server_bad_input(live_server):
+    base, hdrs = live_server.base_url, live_server.headers()
+    url = base + URL
+
+    def check(r, status, param=None):
+        assert r.status_code == status, r.text[:300]
+        assert r.headers["content-type"].startswith("application/json")  # never SSE
+        err = assert_openai_error_shape(r)
+        if param is not None:
+            assert err["param"] == param, err
+        return err
+
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True}
+    check(httpx.post(url, json=long, headers=hdrs, timeout=60), 400, "messages")
+    check(httpx.post(url, content=b"x" * 10_000_000, headers=hdrs, timeout=60), 413)
+    check(httpx.post(url, content=b"[]", headers=hdrs, timeout=30), 400)
+    check(httpx.post(url, json={**chat(stream=True), "n": 2}, headers=hdrs, timeout=30), 400, "n")
+    check(httpx.post(url, json={**chat(), "temperature": -1}, headers=hdrs, timeout=30), 400, "temperature")
+    r = httpx.post(url, json={**chat("Say hi"), "max_tokens": 10**9, "unknown_field": 1, "temperature": 0,
+                              "stop": ["a", "b", "c", "d"]}, headers=hdrs, timeout=120)
+    assert r.status_code == 200, r.text

@@ -35,8 +35,10 @@ class Settings(BaseSettings):
         database_url: SQLAlchemy async URL (``sqlite+aiosqlite://`` or
             ``postgresql+asyncpg://``) holding tenants and API keys.
         dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
-        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens:
-            passed to :class:`runtime.config.EngineConfig` (see its docstring).
+        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens, sps_table_path,
+        profile_on_start: passed to :class:`runtime.config.EngineConfig` (see its docstring);
+            serving profiles the SPS table at start-up only when speculating and no
+            cached profile matches (``profile_on_start``, default on for the server).
         cors_origins: browser origins allowed by CORS; empty → CORS disabled.
         admin_token: optional extra bearer token accepted on every route (tenant ``admin``).
         model_name: public name of the served model (accepted as ``model`` alias).
@@ -82,6 +84,8 @@ class Settings(BaseSettings):
     spec_policy: str = "dspark-sla"
     draft_checkpoint: str | None = None
     num_speculative_tokens: int = 7
+    sps_table_path: str | None = None
+    profile_on_start: bool = True
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_token: str | None = None
     model_name: str = "SmolLM2-135M-Instruct"
@@ -134,6 +138,8 @@ class Settings(BaseSettings):
             spec_policy=self.spec_policy,
             draft_checkpoint=self.draft_checkpoint,
             num_speculative_tokens=self.num_speculative_tokens,
+            sps_table_path=self.sps_table_path,
+            profile_on_start=self.profile_on_start,
         )
 
     def backend_config(self):

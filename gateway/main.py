@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from gateway.admin_ui import install as install_admin_ui
 from gateway.admission import AdmissionController
 from gateway.bodylimit import BodyLimitMiddleware
 from gateway.api.routes import admin, chat, completions, engine, health, models, usage
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
                    usage.router):
         app.include_router(router)
     install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
+    install_admin_ui(app)  # the admin UI's static files at /admin (admin_ui/dist)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],

@@ -5,6 +5,7 @@ and SLA attainment. Changes apply at once on this replica and within
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Literal
 
@@ -22,6 +23,7 @@ from gateway.schemas.tenancy import (
     KeyCreate, KeyCreated, KeyOut, KeyPatch, RecordOut, RecordPage, TenantCreate, TenantOut, TenantPatch,
     TierCreate, TierLimits, TierOut,
 )
+from gateway.stats import user_tokens_per_s
 
 router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)])
 Session = Annotated[AsyncSession, Depends(get_session)]
@@ -253,6 +255,34 @@ async def tokens_per_s_series(
     since, until = window(since, until)
     rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant, user=user, tier=tier)
     return {"object": "list", "since": since, "until": until, "bucket_s": 60, "data": crud_records.user_series(rows)}
+
+
+@router.get("/usage/users")
+async def users_summary(
+    session: Session, tenant: str | None = None, tier: str | None = None,
+    since: datetime | None = None, until: datetime | None = None,
+) -> dict:
+    """Per (tenant, user) totals over the window (default: the last hour) from the
+    rollups: requests by status, tokens, ``tokens_per_s_p50`` (median of the per-minute
+    medians, each weighted by its measured requests), SLA requests met, latest tier."""
+    since, until = window(since, until)
+    rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant, tier=tier)
+    per: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        per[(r.tenant, r.user)].append(r)
+    out = []
+    for (name, user), rs in sorted(per.items()):
+        graded, met = sum(r.sla_requests for r in rs), sum(r.sla_met for r in rs)
+        out.append({
+            "tenant": name, "user": user or None, "tier": rs[-1].tier or None,
+            **{k: sum(getattr(r, k) for r in rs) for k in ("requests", "finished", "failed", "cancelled", "rejected",
+                                                           "prompt_tokens", "completion_tokens")},
+            "tokens_per_s_p50": user_tokens_per_s(x for r in rs if r.decode_tps_median is not None
+                                                  for x in [r.decode_tps_median] * r.decode_tps_samples),
+            "sla_requests": graded, "sla_met": met, "sla_attainment": met / graded if graded else None,
+            "last_minute": rs[-1].minute,
+        })
+    return {"object": "list", "since": since, "until": until, "data": out}
 
 
 @router.get("/stats/acceptance")

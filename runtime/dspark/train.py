@@ -522,10 +522,11 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
     if bar is not None:
         bar.close()
     opt.zero_grad(set_to_none=True)
-    v = validate()
-    if v:
-        log({"kind": "val", "step": step, **v})
-        last = v
+    if not (cfg.val_every and step % cfg.val_every == 0 and last is not None):  # not validated at this step yet
+        v = validate()
+        if v:
+            log({"kind": "val", "step": step, **v})
+            last = v
     t_used = time.monotonic() - t_start
     save()
     drafter.eval().requires_grad_(False)

@@ -27,7 +27,7 @@ from runtime.dspark.evaluate import (
 )
 from runtime.dspark.features import teacher_forward
 
-MAX_NEW = 40
+MAX_NEW = 32
 
 
 def test_deepspec_prompt_selection():
@@ -142,7 +142,7 @@ def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_pa
                 + [Sample("t:0", "chat", ids[0] + [1, 2], len(ids[0]), "stop", False)])  # fmt: skip
     ck = save_drafter(dr, tmp_path / "ck")
     rep = calibrate_sts(ck, tmp_path / "data", max_samples=8, max_new_tokens=MAX_NEW, target=target_fp32,
-                        tokenizer=tokenizer, progress=False)  # fmt: skip
+                        tokenizer=tokenizer, progress=False, completions=[g.tokens for g in ar])  # fmt: skip
     assert rep["heldout_prompts"] == 3 and rep["anchors"] == sum(len(g.tokens) - 1 for g in ar)
     temps = load_drafter(ck, target_fp32).cfg.sts_temperatures
     assert temps == pytest.approx(rep["temperatures"], abs=1e-4) and len(temps) == 7 and all(t > 0 for t in temps)

@@ -535,6 +535,7 @@ def calibrate_sts(
     tokenizer=None,
     write: bool = True,
     progress: bool = True,
+    completions: Sequence[Sequence[int]] | None = None,
 ) -> dict:
     """Fit Sequential Temperature Scaling on the held-out split and store it in the checkpoint.
 
@@ -547,6 +548,9 @@ def calibrate_sts(
     :func:`runtime.dspark.sts.fit_sts` give T_1..T_γ, written into
     ``config.json``'s ``drafter.sts_temperatures`` (weights untouched) with a
     ``calibration.json`` report next to it.
+
+    ``completions`` (greedy completions of those prompts, in held-out order) skips the
+    generation.
 
     Returns:
         the report dict (temperatures, ECE before/after per position, counts).
@@ -575,13 +579,15 @@ def calibrate_sts(
         from tqdm import tqdm
 
         bar = tqdm(total=2 * len(prompts), desc="calibrate", unit="item", dynamic_ncols=True)
-    gens = run_engine(target, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens,
-                      progress=(lambda k: bar.update(k)) if bar is not None else None)
+    if completions is None:
+        gens = run_engine(target, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens,
+                          progress=(lambda k: bar.update(k)) if bar is not None else None)
+        completions = [g.tokens for g in gens]
     logits, acc, ver = [], [], []
-    for pid, gen in zip(prompts, gens):
-        n, M = len(pid), len(gen.tokens)
+    for pid, comp in zip(prompts, completions):
+        n, M = len(pid), len(comp)
         if M >= 2:
-            seq = torch.tensor(pid + gen.tokens)
+            seq = torch.tensor(pid + list(comp))
             tb = teacher_forward(target, [seq], [n], drafter.tap_layers)
             bs = method.greedy_blocks(seq, tb.taps[0], n, want_conf=True)
             ell = slot_valid(n, seq.numel(), g).sum(1)

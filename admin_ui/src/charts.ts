@@ -17,7 +17,7 @@ import {
   type ChartConfiguration,
   type ChartDataset,
 } from "chart.js";
-import { clear, fmt, h, hhmm, newId, svg } from "./dom";
+import { clear, dayTime, fmt, h, hhmm, newId, svg } from "./dom";
 
 Chart.register(BarController, BarElement, CategoryScale, Filler, Legend, LinearScale, LineController, LineElement,
   PointElement, Tooltip);
@@ -86,11 +86,42 @@ export class ChartBox {
   setXRange(min: number | undefined, max: number | undefined): void {
     this.xMin = min;
     this.xMax = max;
-    if (this.chart) {
-      const x = this.chart.options.scales!.x as any;
-      x.min = min;
-      x.max = max;
-    }
+    if (this.chart) Object.assign(this.chart.options.scales!.x as any, this.xAxisRange());
+  }
+
+  /** min/max of the x axis (the window, when one was set). */
+  private xAxisRange(): Record<string, unknown> {
+    return { min: this.xMin, max: this.xMax };
+  }
+
+  /** Labels of time ticks: seconds on short spans, the day on spans over a day. */
+  private timeTicks(): Record<string, unknown> {
+    return {
+      callback: (v: number) => {
+        const span = this.span();
+        return span > 86400000 ? dayTime(v) : hhmm(v, this.o.seconds || span < 300000);
+      },
+      maxRotation: 0,
+    };
+  }
+
+  private span(): number {
+    const c = this.chart;
+    if (!c) return 0;
+    const x = c.scales.x;
+    return x ? x.max - x.min : 0;
+  }
+
+  /** Time ticks at round multiples (1 s … 1 day) across the visible range, at most ~8 of them. */
+  private static alignedTicks(axis: any): void {
+    const min: number = axis.min, max: number = axis.max;
+    const range = Math.max(1, max - min) / 1000;
+    const steps = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+    const step = (steps.find((s) => range / s <= 8) ?? 86400) * 1000;
+    const offset = step >= 3600000 ? new Date(min).getTimezoneOffset() * 60000 : 0; // hours: align to local time
+    const ticks = [];
+    for (let v = Math.ceil((min - offset) / step) * step + offset; v <= max; v += step) ticks.push({ value: v });
+    axis.ticks = ticks;
   }
 
   /** Publish the window the data was fetched for (data-since / data-until). */
@@ -140,10 +171,10 @@ export class ChartBox {
     const scales: any = {
       x: {
         type: o.x === "category" ? "category" : "linear",
-        min: this.xMin,
-        max: this.xMax,
         title: { display: !!o.xLabel, text: o.xLabel },
-        ticks: o.x === "time" ? { callback: (v: number) => hhmm(v, o.seconds), maxTicksLimit: 8 } : { autoSkip: true },
+        ticks: o.x === "time" ? this.timeTicks() : { autoSkip: true },
+        afterBuildTicks: o.x === "time" ? ChartBox.alignedTicks : undefined,
+        ...this.xAxisRange(),
         grid: { display: o.x !== "category" },
       },
       y: {

@@ -73,6 +73,10 @@ export function hhmm(ms: number, seconds = false): string {
   return new Date(ms).toLocaleTimeString("en-GB", { hour: "2-digit", minute: "2-digit", second: seconds ? "2-digit" : undefined });
 }
 
+export function dayTime(ms: number): string {
+  return new Date(ms).toLocaleString("en-GB", { day: "2-digit", month: "2-digit", hour: "2-digit", minute: "2-digit" });
+}
+
 let uid = 0;
 export function newId(prefix: string): string {
   uid += 1;

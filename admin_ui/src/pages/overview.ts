@@ -13,7 +13,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const updated = h("span", { class: "muted", "data-updated": "" });
 
   const kRunning = kpi("running", "Running", "requests in the engine");
-  const kWaiting = kpi("waiting", "Waiting", "engine queue + admission queue");
+  const kWaiting = kpi("waiting", "Waiting", "engine + admission queues");
   const kBudget = kpi("verify-budget", "Verified tokens / round", "B over the last 2 s");
   const kTau = kpi("tau", "τ (tokens / round)", "");
   const kAcc = kpi("acceptance", "Acceptance rate", "accepted / drafted");
@@ -30,6 +30,10 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     x: "time", description: "Line chart: tokens verified per target forward (B) against running requests",
     yLabel: "tokens / requests", empty: "Collecting samples…", seconds: true });
   budget.setNote("B = tokens verified per decode round (Σ over requests of 1 + drafts verified); without speculation B = running.");
+  const volume = new ChartBox({ name: "volume", title: "Requests and completion tokens per minute (all users)",
+    type: "line", x: "time", yLabel: "requests / min", y2Label: "tokens / min", yDigits: 0,
+    description: "Line chart of requests and completion tokens per minute over the selected window, all users together",
+    empty: "No finished requests in this window." });
   const sla = new ChartBox({ name: "sla-attainment", title: "SLA attainment per tier", type: "bar", x: "category",
     description: "Bar chart: percentage of requests and of user-minutes meeting the tier's tokens/s target",
     yLabel: "% meeting target", yMax: 100, empty: "No requests in this window." });
@@ -48,6 +52,21 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
       get<List<Tier>>("/admin/v1/tiers"),
     ]);
     tps.setWindow(r.since, r.until);
+    volume.setWindow(r.since, r.until);
+    volume.setXRange(r.sinceMs, r.untilMs);
+    const perMinute = new Map<number, [number, number]>();
+    for (const s of series.data) {
+      for (const p of s.points) {
+        const t = Date.parse(p.minute);
+        const [n, tok] = perMinute.get(t) ?? [0, 0];
+        perMinute.set(t, [n + p.requests, tok + p.completion_tokens]);
+      }
+    }
+    const minutes = [...perMinute.keys()].sort((a, b) => a - b);
+    volume.set([
+      { label: "requests", points: minutes.map((t) => [t, perMinute.get(t)![0]]) },
+      { label: "completion tokens", points: minutes.map((t) => [t, perMinute.get(t)![1]]), axis: "y2" },
+    ]);
     sla.setWindow(r.since, r.until);
     tps.setXRange(r.sinceMs, r.untilMs);
     tps.set(series.data.map((s) => ({
@@ -92,8 +111,9 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     samples.push({ t: Date.now(), running: e.running, waiting: e.waiting, queued: st.admission.waiting, maxBatch: e.max_batch, B });
     if (samples.length > LIVE_SAMPLES) samples.shift();
     kRunning.set(fmtInt(e.running), `of max batch ${e.max_batch}${e.ready ? "" : " (engine not ready)"}`);
-    kWaiting.set(fmtInt(e.waiting + st.admission.waiting), `${e.waiting} in the engine, ${st.admission.waiting} in admission`);
-    kBudget.set(B === null ? (prev && samples.length > 1 ? "idle" : "…") : fmt(B, 2), `spec: ${e.spec.method}${e.spec.policy ? ` / ${e.spec.policy}` : ""}${e.spec.block_size ? `, γ = ${e.spec.block_size}` : ""}`);
+    kWaiting.set(fmtInt(e.waiting + st.admission.waiting), `engine ${e.waiting} · admission ${st.admission.waiting}`);
+    kBudget.set(B === null ? (prev && samples.length > 1 ? "idle" : "…") : fmt(B, 2), e.spec.method === "none" ? "no speculation: B = running"
+      : `${e.spec.method}${e.spec.policy ? ` / ${e.spec.policy}` : ""}${e.spec.block_size ? `, γ ${e.spec.block_size}` : ""}`);
     specMethod = e.spec.method;
     if (specMethod === "none" && !windowRounds) kTau.set("—", "speculation off (spec method none)");
     const xs = (f: (s: Sample) => number | null) => samples.map((s) => [s.t, f(s)] as [number, number | null]);
@@ -113,7 +133,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     pageHeader("Overview", windowPicker(win, (w) => ctx.go("overview", { window: w })), updated),
     msg.el,
     h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kAcc.el, kSla.el),
-    h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el));
+    h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el, volume.el));
 
   const guard = async (fn: () => Promise<void>) => {
     try {
@@ -126,6 +146,6 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   await Promise.all([guard(refreshWindow), guard(sampleEngine)]).catch(() => undefined);
   every(2000, () => guard(sampleEngine), ctx.onLeave);
   every(10000, () => guard(refreshWindow), ctx.onLeave);
-  ctx.onLeave(() => [tps, load, budget, sla].forEach((c) => c.destroy()));
+  ctx.onLeave(() => [tps, load, budget, sla, volume].forEach((c) => c.destroy()));
   return page;
 }

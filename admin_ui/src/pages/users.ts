@@ -22,6 +22,9 @@ export async function renderUsers(ctx: Ctx): Promise<HTMLElement> {
     get<List<Tenant>>("/admin/v1/tenants"),
   ]);
   const pointsOf = new Map(series.data.map((s) => [`${s.tenant}\u0000${s.user ?? ""}`, s.points]));
+  // every sparkline spans the same range: from the first minute with data (any user) to the window's end
+  const first = series.data.reduce((m, s) => s.points.reduce((m2, p) => Math.min(m2, Date.parse(p.minute)), m),
+    r.untilMs - 60000);
 
   const tenantPick = field({ name: "tenant", label: "Tenant", value: tenant,
     options: [["", "All tenants"], ...tenants.data.map((t) => [t.name, t.name] as [string, string])] });
@@ -29,10 +32,10 @@ export async function renderUsers(ctx: Ctx): Promise<HTMLElement> {
   tenantPick.input.addEventListener("change", () => ctx.go("users", { window: win, tenant: tenantPick.value() }));
 
   const t = table(["User", "Tenant", "Tier", "Requests", "Tokens (prompt / completion)", "p50 tok/s", "SLA met",
-    "tok/s over the window"], "users");
+    "tok/s per minute"], "users");
   for (const u of users.data) {
     const pts = pointsOf.get(`${u.tenant}\u0000${u.user ?? ""}`) ?? [];
-    const spark = sparkline(pts.map((p) => [Date.parse(p.minute), p.tokens_per_s]), r.sinceMs, r.untilMs,
+    const spark = sparkline(pts.map((p) => [Date.parse(p.minute), p.tokens_per_s]), first, r.untilMs - 60000,
       `tok/s of ${userLabel(u.tenant, u.user)}: ${pts.length} minutes with requests`);
     const bad = u.failed + u.rejected + u.cancelled;
     t.body.appendChild(h("tr", { "data-user": u.user ?? "", "data-tenant": u.tenant },

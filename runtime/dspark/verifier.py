@@ -27,6 +27,8 @@ Ragged row layout (no padding), requests in order r = 0..R−1, with
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -109,6 +111,8 @@ def verify(
         raise ValueError(f"{R} requests but {len(generators)} generators")
     if residual_from not in ("residual", "target"):
         raise ValueError(f"residual_from must be 'residual' or 'target', got {residual_from!r}")
+    if residual_from == "residual" and kernel_path(p_target):
+        return _verify_with_kernels(p_target, p_draft, draft_tokens, lens, generators)
     d_off = torch.cumsum(lens, 0) - lens
     accepted = lens.clone()
     if D > 0:
@@ -138,6 +142,40 @@ def verify(
         draft_tokens=draft_tokens,
         lengths=lens.to(device),
     )
+
+
+def kernel_path(p_target: torch.Tensor) -> bool:
+    """Use the fused verification kernels (:mod:`runtime.kernels`)?
+
+    Yes on CUDA (Triton there, paper-equivalent semantics), or when
+    ``SPARKGATE_KERNELS`` is set to ``reference``/``triton`` explicitly (so CPU tests
+    exercise the exact path the GPU runs). ``auto`` on CPU keeps the plain torch path.
+    """
+    mode = os.environ.get("SPARKGATE_KERNELS", "auto").strip().lower()
+    return p_target.is_cuda or mode in ("reference", "triton")
+
+
+def _verify_with_kernels(p_target, p_draft, draft_tokens, lens, generators) -> VerifyResult:
+    """Same contract as :func:`verify`, through ``runtime.kernels.verify_chain``.
+
+    Random numbers per request, in order: ℓ_r acceptance uniforms, then one uniform
+    for the residual/bonus inverse-CDF draw (always drawn, also for one-hot rows).
+    """
+    from runtime.kernels.dispatch import verify_chain
+
+    device = p_target.device
+    R = lens.numel()
+    req = torch.repeat_interleave(torch.arange(R), lens)
+    u_accept = (
+        uniform([generators[r] for r in req.tolist()], device=device)
+        if req.numel()
+        else torch.zeros(0, dtype=torch.float32, device=device)
+    )
+    u_sample = uniform(list(generators), device=device)
+    res = verify_chain(p_target, p_draft, draft_tokens.to(device).long(), lens.to(device), u_accept, u_sample)
+    acc = res.num_accepted.long()
+    nxt = res.output_tokens[torch.arange(R, device=device), acc]
+    return VerifyResult(accepted=acc, next_tokens=nxt, draft_tokens=draft_tokens, lengths=lens.to(device))
 
 
 @dataclass

@@ -4,8 +4,9 @@ Drives the embedded engine (:class:`runtime.engine.LLMEngine`) directly, in-proc
 and synchronously — no HTTP, so there is no load generator competing for the two
 CPU cores and every timing is server-side (the engine's own monotonic timestamps).
 Closed-loop clients: at concurrency c, c clients each submit a request, wait for it
-to finish and immediately submit the next (``--requests-per-client`` each); a
-client "reacts" between two engine steps. Requests: first-turn prompts from
+to finish and immediately submit the next (``--requests-per-client`` each, capped at
+``--max-requests-per-level`` requests per level: by default 2, 8 and 16 requests at
+c = 1, 4, 16); a client "reacts" between two engine steps. Requests: first-turn prompts from
 ``/work/shared/data/eval`` (mt-bench, gsm8k, humaneval, round robin; chat template),
 ``--max-tokens`` completion tokens each with ``ignore_eos`` (every request decodes
 the same length).
@@ -213,7 +214,8 @@ class Bench:
         engine, col = self.engine(method, policy, drafter)
         levels = []
         for c in self.args.concurrency:
-            clients = [Client(requests=self.args.requests_per_client) for _ in range(c)]
+            per_client = max(1, min(self.args.requests_per_client, self.args.max_requests_per_level // c))
+            clients = [Client(requests=per_client) for _ in range(c)]
             res = drive(engine, col, clients, self.prompts, max_tokens=self.args.max_tokens, temperature=temperature, seed=c * 1000)
             s = summarise(res["records"], res["wall_s"])
             s["concurrency"] = c
@@ -269,19 +271,23 @@ def plot(report: dict, path: Path) -> None:
     drafters = [d for d in dict.fromkeys(c["drafter"] for c in sweep if c["spec_method"] == "dspark")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     marks = {"fixed": "s", "mtp1": "v", "threshold": "^", "dspark": "o", "dspark-sla": "D"}
+    colors = {"fixed": "C0", "mtp1": "C1", "threshold": "C2", "dspark": "C3", "dspark-sla": "C4"}
     for di, d in enumerate(drafters):
-        ls = "-" if di == 0 else "--"
+        ls = ("-", "--", "-.")[di % 3]
         for cfg in sweep:
             if cfg["drafter"] != d or cfg["temperature"] != 0.0:
                 continue
             xs = [lv["concurrency"] for lv in cfg["levels"]]
-            lab = f"{cfg['policy']} ({d})"
-            axes[0].plot(xs, [lv["budget_per_request"] for lv in cfg["levels"]], ls, marker=marks.get(cfg["policy"], "x"), label=lab)
-            axes[1].plot(xs, [lv["aggregate_tok_s"] for lv in cfg["levels"]], ls, marker=marks.get(cfg["policy"], "x"), label=lab)
-    for cfg in sweep:
-        if cfg["spec_method"] in ("none", "prompt_lookup") and cfg["temperature"] == 0.0:
-            xs = [lv["concurrency"] for lv in cfg["levels"]]
-            axes[1].plot(xs, [lv["aggregate_tok_s"] for lv in cfg["levels"]], ":", marker="x", label=cfg["drafter"])
+            kw = dict(marker=marks.get(cfg["policy"], "x"), color=colors.get(cfg["policy"]), label=f"{cfg['policy']} ({d})")
+            small = cfg["policy"] == "dspark-sla"  # usually on top of dspark: draw it smaller
+            kw.update(markersize=4 if small else 6, alpha=0.8)
+            axes[0].plot(xs, [lv["budget_per_request"] for lv in cfg["levels"]], ls, **kw)
+            axes[1].plot(xs, [lv["aggregate_tok_s"] for lv in cfg["levels"]], ls, **kw)
+    for cfg, col in zip([c for c in sweep if c["spec_method"] in ("none", "prompt_lookup") and c["temperature"] == 0.0], ("k", "C5")):
+        xs = [lv["concurrency"] for lv in cfg["levels"]]
+        axes[1].plot(xs, [lv["aggregate_tok_s"] for lv in cfg["levels"]], ":", marker="x", color=col, label=cfg["drafter"])
+        if cfg["spec_method"] == "prompt_lookup":
+            axes[0].plot(xs, [lv["budget_per_request"] for lv in cfg["levels"]], ":", marker="x", color=col, label="prompt_lookup (fixed)")
     axes[0].set(xscale="log", xlabel="concurrency (closed-loop clients)", ylabel="verification budget / request / round (1 + ℓ)",
                 title="Verification budget vs load (cf. paper Fig. 8)")  # fmt: skip
     axes[1].set(xscale="log", xlabel="concurrency", ylabel="aggregate tok/s", title="Aggregate throughput (greedy)")
@@ -301,6 +307,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--max-requests-per-level", type=int, default=16,
+                    help="cap: requests per client = min(--requests-per-client, this // concurrency), ≥ 1")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--dtype", default="bfloat16")
@@ -318,7 +326,11 @@ def main() -> None:
     ap.add_argument("--gold-target", type=float, default=None, help="tok/s; overrides --gold-factor")
     ap.add_argument("--png", default=str(ROOT / "docs" / "scheduler_bench.png"))
     ap.add_argument("--quick", action="store_true", help="smoke run: c = 1 4, 8 tokens, 1 request/client")
+    ap.add_argument("--replot", default=None, help="only redraw --png from a saved JSON report")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.png))
+        return
     if args.quick:
         args.concurrency, args.max_tokens, args.requests_per_client, args.mixed_concurrency = [1, 4], 8, 1, 4
         args.gold_clients = 1
@@ -381,6 +393,9 @@ def main() -> None:
         "settings": {
             "dtype": args.dtype, "threads": torch.get_num_threads(), "gamma": args.gamma,
             "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
+            "max_requests_per_level": args.max_requests_per_level,
+            "requests_per_level": {c: c * max(1, min(args.requests_per_client, args.max_requests_per_level // c))
+                                   for c in args.concurrency},
             "concurrency": args.concurrency, "prompts": "mt-bench/gsm8k/humaneval first turns, chat template",
             "ignore_eos": True, "cpu_count": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
         },  # fmt: skip

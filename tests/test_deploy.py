@@ -321,7 +321,7 @@ def test_compose_mounts_match_provisioning_and_scrape_target():
     services = compose["services"]
     assert {"gateway", "postgres", "prometheus", "grafana", "sglang"} <= set(services)
     assert services["sglang"]["profiles"] == ["gpu"] and services["sglang"]["image"].startswith("lmsysorg/sglang")
-    assert services["sglang"]["command"][:2] == ["sparkgate", "sglang-launch"]
+    assert services["sglang"]["command"][:3] == ["python3", "-m", "runtime.sglang.launch"]
     gateway_env = services["gateway"]["environment"]
     assert gateway_env["SPARKGATE_SGLANG_URLS"] == "http://sglang:30000"
     assert any(v.endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])

@@ -105,6 +105,9 @@ def test_t0_simulated_tau_equals_live_speculative_decoding(setup, target_fp32, t
             tb = teacher_forward(target_fp32, [seq], [len(pid)], dr.tap_layers)
             bs = method.greedy_blocks(seq, tb.taps[0], len(pid))
             sim = walk_rounds(bs, len(pid), len(g_ar.tokens), MAX_NEW, 7)
+            lazy = walk_rounds(method.round_rows(seq, tb.taps[0], len(pid)), len(pid), len(g_ar.tokens), MAX_NEW, 7)
+            assert (lazy.rounds, lazy.emitted, lazy.accepted, lazy.acc_at_least) == (
+                sim.rounds, sim.emitted, sim.accepted, sim.acc_at_least)
             sp = g_live.spec
             assert (sim.rounds, sim.emitted, sim.accepted) == (sp["rounds"], sp["emitted"], sp["accepted"]), method.name
             assert sim.acc_at_least == sp["accepted_per_position"]

@@ -189,28 +189,48 @@ class DrafterMethod:
         match = np.zeros((A, g), dtype=bool)
         conf = np.zeros((A, g), dtype=np.float32) if want_conf else None
         h_all = self._hidden(taps, anchors, tokens)
-        dr = self.drafter
         for c in range(0, A, self.chunk):
             a = anchors[c : c + self.chunk]
-            h = h_all[c : c + self.chunk]
-            with torch.no_grad():
-                U = self._logits(h)
-                prev = tokens[a]
-                drafts, prevs = [], []
-                for k in range(g):
-                    prevs.append(prev)
-                    prev = apply_markov(dr.markov, U[:, k], prev, h[:, k]).argmax(-1)
-                    drafts.append(prev)
-                d = torch.stack(drafts, 1)
-                pos = a[:, None] + torch.arange(1, g + 1)
-                ok = pos <= L - 1
-                truth = tokens[pos.clamp(max=L - 1)]
-                match[c : c + len(a)] = ((d == truth) & ok).numpy()
-                if want_conf:
-                    p = torch.stack(prevs, 1)
-                    emb = dr.markov.prev_embedding(p) if dr.markov is not None else None
-                    conf[c : c + len(a)] = dr.confidence(h, emb).numpy()
+            m, z = self._greedy(tokens, a, h_all[c : c + self.chunk], L, want_conf)
+            match[c : c + len(a)] = m
+            if want_conf:
+                conf[c : c + len(a)] = z
         return BlockStats(match, np.full(A, g), conf)
+
+    def round_rows(self, tokens: torch.Tensor, taps: torch.Tensor, n: int) -> Callable[[int], tuple[np.ndarray, int]]:
+        """Lazy T = 0 rows for :func:`walk_rounds`: the backbone runs batched over every anchor
+        (cheap), the LM head + Markov chain only at the anchors the rounds visit."""
+        L = tokens.numel()
+        anchors = all_anchors(n, L)
+        h_all = self._hidden(taps, anchors, tokens)
+        g = self.gamma
+
+        def row(i: int) -> tuple[np.ndarray, int]:
+            match, _ = self._greedy(tokens, anchors[i : i + 1], h_all[i : i + 1], L, want_conf=False)
+            return match[0], g
+
+        return row
+
+    def _greedy(self, tokens, a, h, L, want_conf):
+        dr, g = self.drafter, self.gamma
+        with torch.no_grad():
+            U = self._logits(h)
+            prev = tokens[a]
+            drafts, prevs = [], []
+            for k in range(g):
+                prevs.append(prev)
+                prev = apply_markov(dr.markov, U[:, k], prev, h[:, k]).argmax(-1)
+                drafts.append(prev)
+            d = torch.stack(drafts, 1)
+            pos = a[:, None] + torch.arange(1, g + 1)
+            truth = tokens[pos.clamp(max=L - 1)]
+            match = ((d == truth) & (pos <= L - 1)).numpy()
+            conf = None
+            if want_conf:
+                p = torch.stack(prevs, 1)
+                emb = dr.markov.prev_embedding(p) if dr.markov is not None else None
+                conf = dr.confidence(h, emb).numpy()
+        return match, conf
 
     def expected_acceptance(self, tokens: torch.Tensor, taps: torch.Tensor, hidden_t: torch.Tensor, n: int,
                             target) -> np.ndarray:
@@ -258,6 +278,23 @@ class PromptLookupMethod:
                     break
                 match[i, k] = True
         return BlockStats(match, proposed)
+
+    def round_rows(self, tokens: torch.Tensor, taps, n: int) -> Callable[[int], tuple[np.ndarray, int]]:
+        """Lazy T = 0 rows for :func:`walk_rounds` (the proposal at the visited anchors only)."""
+        toks = tokens.tolist()
+        L = len(toks)
+
+        def row(i: int) -> tuple[np.ndarray, int]:
+            p = n + i
+            prop = propose_ngram(toks[: p + 1], self.gamma)
+            m = np.zeros(self.gamma, dtype=bool)
+            for k, t in enumerate(prop):
+                if p + 1 + k > L - 1 or toks[p + 1 + k] != t:
+                    break
+                m[k] = True
+            return m, len(prop)
+
+        return row
 
     def expected_acceptance(self, tokens: torch.Tensor, taps, hidden_t: torch.Tensor, n: int, target) -> np.ndarray:
         toks = tokens.tolist()
@@ -307,23 +344,29 @@ class RoundStats:
         return [a / o if o else float("nan") for a, o in zip(self.acc_at_least, self.offered)]
 
 
-def walk_rounds(bs: BlockStats, n: int, num_completion: int, max_tokens: int, gamma: int) -> RoundStats:
+def walk_rounds(
+    bs: BlockStats | Callable[[int], tuple[np.ndarray, int]], n: int, num_completion: int, max_tokens: int, gamma: int
+) -> RoundStats:
     """T = 0 engine rounds over a greedy completion (module docstring).
 
     Args:
-        bs: per-anchor greedy matches for anchors n … e−1 (row i ↔ position n+i).
+        bs: per-anchor greedy matches for anchors n … e−1 (row i ↔ position n+i), or a
+            function ``i ↦ (match row [γ], proposed)`` evaluated only at the anchors the
+            rounds visit.
         n: prompt length (first anchor position).
         num_completion: M, completion tokens of the AR output (e = n + M − 1).
         max_tokens: the request's cap.
     """
+    row = bs if callable(bs) else (lambda i: (bs.match[i], int(bs.proposed[i])))
     st = RoundStats(gamma=gamma)
     e = n + num_completion - 1
     p = n
     while p < e:
         i = p - n
-        ell = min(int(bs.proposed[i]), gamma, max(0, max_tokens - (p - n + 1) - 1))
+        match, proposed = row(i)
+        ell = min(int(proposed), gamma, max(0, max_tokens - (p - n + 1) - 1))
         a = 0
-        while a < ell and bs.match[i, a]:
+        while a < ell and match[a]:
             a += 1
         emitted = min(a + 1, e - p)
         st.rounds += 1
@@ -421,8 +464,7 @@ def evaluate(
                 if T == 0.0:
                     r.samples += 1
                     if M >= 2:
-                        bs = m.greedy_blocks(seq, taps, n)
-                        r.t0.add(walk_rounds(bs, n, M, max_new_tokens, m.gamma))
+                        r.t0.add(walk_rounds(m.round_rows(seq, taps, n), n, M, max_new_tokens, m.gamma))
                 else:
                     if M >= 2:
                         al = m.expected_acceptance(seq, taps, tb.hidden[0], n, target)

@@ -217,9 +217,11 @@ class LLMEngine:
             self.speculator.commit(seqs, out.taps[:num_rows] if out.taps is not None else None, res.commit_rows, res.commit_counts)
         accepted = res.verify.accepted.tolist()
         for i, (seq, ell, acc, toks) in enumerate(zip(seqs, lengths, accepted, res.tokens)):
-            kept = self._append_tokens(seq, toks)
+            count = None
             if proposal is not None:
-                self._count_spec(seq, proposal.drafted[i], ell, min(acc, kept), kept)
+                def count(kept, seq=seq, drafted=proposal.drafted[i], ell=ell, acc=acc):
+                    self._count_spec(seq, drafted, ell, min(acc, kept), kept)
+            self._append_tokens(seq, toks, count)
 
     def _count_spec(self, seq: Sequence, drafted: int, verified: int, accepted: int, emitted: int) -> None:
         """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted."""
@@ -235,10 +237,16 @@ class LLMEngine:
             st.accepted_per_position[j] += 1
 
     # -- postprocess --------------------------------------------------------
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int]) -> int:
-        """Feed accepted tokens through stop/EOS/max_tokens checks; emit; return #kept."""
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], on_kept=None) -> int:
+        """Feed accepted tokens through stop/EOS/max_tokens checks; emit; return #kept.
+
+        ``on_kept(kept)`` runs before anything is emitted, so per-request stats it
+        updates are complete in the :class:`Finished` event of a request ending here.
+        """
         res = seq.detok.append(new_tokens)
         kept = res.num_tokens_kept
+        if on_kept is not None:
+            on_kept(kept)
         if kept:
             now = time.monotonic()
             if seq.timings.first_token is None:

@@ -3,6 +3,7 @@ on accepted blocks, and honest per-request stats (the bug classes in docs/dspark
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def oracle_run(model, tokenizer, ids, sampling, continuation):
     events: list = []
     engine = LLMEngine(
         EngineConfig(dtype="float32", max_batch_size=1, max_context=1024, spec_method="prompt_lookup"),
-        lambda rid, ev: events.append(ev),
+        lambda rid, ev: events.append(copy.deepcopy(ev)),  # as emitted: later mutation must not matter
         model=model,
         tokenizer=tokenizer,
     )

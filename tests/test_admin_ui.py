@@ -195,9 +195,9 @@ def admin_get(live, path: str, **params) -> dict:
     return r.json()
 
 
-def complete(live, user: str | None, max_tokens: int = 12, key: str | None = None) -> dict:
+def complete(live, user: str | None, max_tokens: int = 12, key: str | None = None, ignore_eos: bool = False) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
-            "temperature": 0, "max_tokens": max_tokens, **({"user": user} if user else {})}
+            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": ignore_eos, **({"user": user} if user else {})}
     r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=live.headers(key), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -272,7 +272,8 @@ def test_login_by_keyboard_then_live_charts_equal_the_api(ui, live_server):
                                for s in api15["data"]]
 
     # live engine load: a long request shows up as running, with a verification budget B ≥ 1 per round
-    t = threading.Thread(target=complete, args=(live_server, "ui-long", 120), daemon=True)
+    # long enough (ignore_eos) to span several UI polls even on an idle machine
+    t = threading.Thread(target=complete, args=(live_server, "ui-long", 600, None, True), daemon=True)
     t.start()
     page.wait_for_function("""() => {
         const s = JSON.parse(document.querySelector('[data-chart-name=engine-load]').dataset.chart || '[]');

@@ -26,7 +26,7 @@ from typing import Sequence as Seq
 import torch
 
 from runtime.config import EngineConfig
-from runtime.dspark.prompt_lookup import propose_ngram
+from runtime.dspark.prompt_lookup import one_hot_probs, propose_ngram
 from runtime.dspark.scheduler import schedule
 from runtime.dspark.sla import sla_weight
 from runtime.dspark.sps import SpsTable
@@ -170,10 +170,7 @@ class Speculator:
             tokens.append(prop[: self._room(s)])
         lengths = [len(t) for t in tokens]
         flat = [t for ts in tokens for t in ts]
-        probs = torch.zeros(len(flat), self.vocab_size)
-        if flat:
-            probs[torch.arange(len(flat)), torch.tensor(flat)] = 1.0
-        return Proposal(lengths, drafted, tokens, probs, self.gamma)
+        return Proposal(lengths, drafted, tokens, one_hot_probs(flat, self.vocab_size), self.gamma)
 
     @staticmethod
     def _room(seq: Sequence) -> int:

@@ -88,6 +88,7 @@ class OracleProposer:
 
     def __call__(self, seqs):
         import runtime.speculator as sp
+        from runtime.dspark.prompt_lookup import one_hot_probs
 
         tokens, drafted = [], []
         for s in seqs:
@@ -98,10 +99,7 @@ class OracleProposer:
             tokens.append(prop[: sp.Speculator._room(s)])
         lengths = [len(t) for t in tokens]
         flat = [t for ts in tokens for t in ts]
-        probs = torch.zeros(len(flat), 49152)
-        if flat:
-            probs[torch.arange(len(flat)), torch.tensor(flat)] = 1.0
-        return sp.Proposal(lengths, drafted, tokens, probs, 7)
+        return sp.Proposal(lengths, drafted, tokens, one_hot_probs(flat, 49152), 7)
 
 
 def oracle_run(model, tokenizer, ids, sampling, continuation):

@@ -7,12 +7,18 @@ export function getToken(): string | null {
   return sessionStorage.getItem(TOKEN_KEY);
 }
 
+// Bumped at every sign-in and sign-out: an answer to a request sent before it (a page that
+// was already left) can no longer sign the current session out.
+let authEpoch = 0;
+
 export function setToken(token: string): void {
   sessionStorage.setItem(TOKEN_KEY, token);
+  authEpoch++;
 }
 
 export function clearToken(): void {
   sessionStorage.removeItem(TOKEN_KEY);
+  authEpoch++;
 }
 
 export class ApiError extends Error {
@@ -46,6 +52,7 @@ export async function request<T>(
   body?: unknown,
   token: string | null = getToken(),
 ): Promise<T> {
+  const epoch = authEpoch;
   const headers: Record<string, string> = { Accept: "application/json" };
   if (token) headers.Authorization = `Bearer ${token}`;
   if (body !== undefined) headers["Content-Type"] = "application/json";
@@ -72,7 +79,9 @@ export async function request<T>(
     const err = data?.error ?? {};
     const message = typeof err.message === "string" ? err.message : `HTTP ${res.status}`;
     const e = new ApiError(res.status, message, err.code ?? null, err.param ?? null);
-    if ((res.status === 401 || res.status === 403) && token === getToken()) onAuthError(res.status);
+    // Only a refusal of the token now in use signs out (not a late answer to an older or absent one).
+    const current = token !== null && token === getToken() && epoch === authEpoch;
+    if ((res.status === 401 || res.status === 403) && current) onAuthError(res.status);
     throw e;
   }
   return data as T;

@@ -82,7 +82,9 @@ async function render(): Promise<void> {
   for (const fn of leaving) fn();
   leaving = [];
   const { route, params } = parseHash();
-  const ctx: Ctx = { params, go, onLeave: (fn) => leaving.push(fn) };
+  // A page that registers cleanup after it was already left (its first requests were still in
+  // flight when the route changed) gets it run at once: no timer outlives its page.
+  const ctx: Ctx = { params, go, onLeave: (fn) => (seq === renderSeq ? leaving.push(fn) : fn()) };
   if (route === "login" || !getToken()) {
     const message = flash;
     flash = null;

@@ -39,6 +39,13 @@ Correct verifier: p > 0.01 at T = 1 and at T = 1, top_p = 0.9. Planted bugs (T =
 residual drawn from p_t instead of norm(max(0, p_t − p_d)) (``residual_from="target"``)
 and verification against the pre-Markov p_d (the base logits U without the Markov
 bias) while the drafts were sampled from the corrected one: p < 1e-4 at position 1.
+Under the prefix scheduler (``test_t1_real_model_rounds_under_the_scheduler_match_target``):
+the same rounds, but each fork's verified prefix ℓ ∈ {0, 1, 2} is chosen by
+``schedule("dspark-sla", c, SPS, weights)`` from its own calibrated confidences, as the
+engine's Speculator does; the SPS table is built so that ℓ = 2 is taken exactly when
+a_2 = c_1·c_2(x_1) is above a threshold splitting the forks (observed ℓ = 1 / 2:
+450 / 3646 at T = 1, 410 / 3686 at top_p 0.9; p1 = 0.46 / 0.70, p2 = 0.32 / 0.22).
+
 Runtime: ≈ 55 s CPU time (one thread; ≈ 55 s wall on an idle 2-core box, ≈ 100 s with
 the box's usual contention), dominated by sampling/warping 49152-way rows.
 Observed (seeded, deterministic): T = 1: p1 = 0.75, p2 = 0.90, x_1 accepted 905/4096,
@@ -187,13 +194,18 @@ class RoundStats:
     y2: torch.Tensor  # [N] second output token (valid where x1_accepted)
     accepted: torch.Tensor  # [N] a ∈ {0, 1, 2}
     alpha1: float  # Σ min(p_t, p_d) at position 1 (acceptance probability of x_1)
+    lengths: torch.Tensor  # [N] verified prefix length ℓ of each fork
 
 
 VARIANTS = (None, "residual_from_target", "pre_markov_pd")
 
 
-def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 0) -> dict:
-    """One speculative round (γ = 2, ℓ = 2) for each of n forks; first two output tokens.
+def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 0, plan=None) -> dict:
+    """One speculative round (γ = 2) for each of n forks; first two output tokens.
+
+    ``plan``: ``None`` verifies the whole block (ℓ = γ = 2); otherwise a callable
+    ``(confidence [γ] fp32) -> ℓ`` run per fork after drafting, before verification
+    (the engine's scheduler: it sees the fork's confidences, never the target).
 
     Every fork's drafts are sampled once and then verified by each of ``variants``:
     ``None`` (the real verifier), ``"residual_from_target"`` (planted bug, via
@@ -218,6 +230,7 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
     """
     V = f.model.cfg.vocab_size
     out = {v: ([], [], []) for v in variants}
+    lengths_seen: list[int] = []
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
         gens = [torch.Generator().manual_seed(1_000_003 * seed + start + i) for i in range(m)]
@@ -227,6 +240,8 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
         ds = f.drafter.sample_block(blk, anchors, temp, top_k, tp, gens)
         states = [g.get_state() for g in gens]  # after drafting: where verification starts
         pairs = list(zip(ds.tokens[:, 0].tolist(), ds.tokens[:, 1].tolist()))
+        ells = [GAMMA] * m if plan is None else [plan(ds.confidence[i]) for i in range(m)]
+        lengths_seen += ells
         for variant in variants:
             p_d = ds.probs
             if variant == "pre_markov_pd":
@@ -243,10 +258,16 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
                 for i in todo:
                     gens[i].set_state(states[i])
                 idx = torch.tensor(todo, dtype=torch.long)
+                rows = fork_logits(f, [pairs[i] for i in todo], real).view(len(todo), GAMMA + 1, V)
+                if all(ells[i] == GAMMA for i in todo):
+                    t_rows, d_rows, d_toks = rows.reshape(-1, V), p_d[idx].reshape(-1, V), ds.tokens[idx].reshape(-1)
+                else:  # ragged prefixes ℓ_i: rows [0, 1 + ℓ_i) of fork i, drafts [0, ℓ_i)
+                    t_rows = torch.cat([rows[j, : 1 + ells[i]] for j, i in enumerate(todo)])
+                    d_rows = torch.cat([p_d[i, : ells[i]] for i in todo])
+                    d_toks = torch.cat([ds.tokens[i, : ells[i]] for i in todo])
                 with mock.patch.object(verifier, "verify", patched):
                     res = spec_round(
-                        fork_logits(f, [pairs[i] for i in todo], real), p_d[idx].reshape(-1, V),
-                        ds.tokens[idx].reshape(-1), [GAMMA] * len(todo), [f.p] * len(todo),
+                        t_rows, d_rows, d_toks, [ells[i] for i in todo], [f.p] * len(todo),
                         temp[idx], top_k[idx], tp[idx], [gens[i] for i in todo],
                     )  # fmt: skip
                 nxt = []
@@ -264,7 +285,8 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
     result = {}
     for variant, (y1, y2, acc) in out.items():
         a = torch.tensor(acc)
-        result[variant] = RoundStats(torch.tensor(y1), a >= 1, torch.tensor(y2), a, alpha1)
+        result[variant] = RoundStats(torch.tensor(y1), a >= 1, torch.tensor(y2), a, alpha1,
+                                     torch.tensor(lengths_seen))
     return result
 
 
@@ -361,3 +383,54 @@ def test_t1_real_model_planted_bugs_are_caught(fork, rounds, bug):
     p1, p2, info = position_pvalues(fork, st, 1.0)
     print(f"bug {bug}: p1={p1:.3g} p2={p2:.3g} {info}")
     assert p1 < 1e-4, info
+
+
+# ---------------------------------------------------------------- under the scheduler
+def scheduler_plan(fork, top_p: float) -> tuple:
+    """A ``dspark-sla`` plan (the engine's call: ``schedule(policy, confidences, sps,
+    weights=...)``, weight from a tier target the fork misses) over an SPS table made so
+    that ℓ = 1 always pays and ℓ = 2 pays exactly when a_2 = c_1·c_2 exceeds a threshold
+    that splits a pilot sample most evenly: c_2 depends on x_1 through W1[x_1], so ℓ
+    depends on the drafted token — the case paper Appendix A is about (the decision must
+    not look at the target). Returns (plan, threshold)."""
+    from runtime.dspark.scheduler import schedule
+    from runtime.dspark.sla import sla_weight
+    from runtime.dspark.sps import SpsTable
+
+    m = 512
+    gens = [torch.Generator().manual_seed(7_000_000 + i) for i in range(m)]
+    blk = DraftBlock(fork.block.base_logits.expand(m, -1, -1), fork.block.hidden.expand(m, -1, -1))
+    ds = fork.drafter.sample_block(blk, torch.full((m,), fork.anchor, dtype=torch.long), torch.ones(m),
+                                   torch.zeros(m, dtype=torch.long), torch.full((m,), top_p), gens)
+    a = torch.cumprod(ds.confidence.double(), -1)
+    assert torch.allclose(a[:, 0], a[0, 0])  # c_1 sees the shared anchor only
+    a1 = float(a[0, 0])
+    values, counts = torch.unique(a[:, 1], return_counts=True)  # ascending
+    below = torch.cumsum(counts, 0)[:-1]
+    best = int(torch.minimum(below, m - below).argmax())
+    thr = float(values[best] + values[best + 1]) / 2
+    table = SpsTable([1, 2, 3], [0], [[1.0, 1.0, (1 + a1) / (1 + a1 + thr)]], enforce_throughput=False)
+    weight = sla_weight(20.0, 5.0)  # a gold tier's 20 tok/s target, 5 measured: weight > 1
+    assert weight > 1
+
+    def plan(conf: torch.Tensor) -> int:
+        return schedule("dspark-sla", conf[None], table, weights=[weight], context_len=fork.p).lengths[0]
+
+    return plan, thr
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_t1_real_model_rounds_under_the_scheduler_match_target(fork, cpu_tuning, top_p):
+    """End to end at T = 1 with the verification length chosen per fork by the prefix
+    scheduler (Alg. 1 with SLA weights) from the drafter's real confidences: y_1 and
+    y_2 | accepted x_1 still follow the target (p > 0.01), with both ℓ = 1 and ℓ = 2
+    taken often."""
+    plan, thr = scheduler_plan(fork, top_p)
+    st = run_rounds(fork, top_p, (None,), seed=11, plan=plan)[None]
+    p1, p2, info = position_pvalues(fork, st, top_p)
+    counts = torch.bincount(st.lengths, minlength=GAMMA + 1).tolist()
+    print(f"scheduler T=1 top_p={top_p}: a2 threshold={thr:.4f} ℓ counts={counts} p1={p1:.4g} p2={p2:.4g} {info}")
+    assert counts[0] == 0 and min(counts[1], counts[2]) > 0.1 * N, counts  # ℓ really varies with x_1
+    assert info["x1_accepted"] > 0.05 * N and info["df1"] >= 10 and info["df2"] >= 5
+    assert p1 > 0.01, info
+    assert p2 > 0.01, info

@@ -148,6 +148,9 @@ async def observed(
                     outcome.status, outcome.finish_reason = FINISHED, event.finish_reason.value
                 else:
                     outcome.status = CANCELLED if event.finish_reason is FinishReason.ABORT else FAILED
+                    if outcome.status == FAILED:  # the record's code = the metric's (request_errors_total)
+                        outcome.error_code = "engine_error"
+                        outcome.error_message = f"finish_reason {event.finish_reason.value!r}"
                 outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
                 outcome.timings, outcome.spec = event.timings, event.spec
             elif isinstance(event, Failed):

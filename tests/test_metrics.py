@@ -19,13 +19,16 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import metrics
+from gateway.crud import records as crud_records
 from gateway.crud.keys import issue_key
 from gateway.main import create_app
 from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED, RequestContext, RequestOutcome
 from runtime.dspark.sps import SpsTable
-from runtime.interface import RequestTimings, SpecInfo, SpecStats
+from runtime.interface import Finished, FinishReason, RequestTimings, SpecInfo, SpecStats, TextDelta
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import api_key, app, auth, backend, chat, client, db_url, make_settings, migrated_template, settings  # noqa: F401
+from tests.tenancy_fixtures import admin_setup, new_key, pg_tenancy_url, tenancy_db  # noqa: F401
+from tests.tenancy_fixtures import running_app as tenancy_app
 
 ADMIN = "admin-test-token"
 
@@ -179,6 +182,119 @@ async def test_admission_429_is_counted_once_with_its_tenant(db_url):
     assert d("sparkgate:rate_limited_requests_total", code="rate_limit_exceeded", tenant="acme") == 1
     assert d("sparkgate:admission_queue_time_seconds_count") == 2
     assert d("sparkgate:request_success_total", tenant="acme") == 1
+
+
+class EndingFake(FakeBackend):
+    """FakeBackend that, while ``end_with`` is set, emits two one-token deltas and then
+    ``Finished(end_with)`` (``abort``: the engine cancelled it; ``error``: it failed),
+    with speculative stats when asked for them."""
+
+    end_with: FinishReason | None = None
+
+    async def _run(self, req):
+        if self.end_with is None:
+            inner = super()._run(req)
+            try:
+                async for event in inner:
+                    yield event
+            finally:
+                await inner.aclose()
+            return
+        t = RequestTimings(wall_queued=time.time(), queued=time.monotonic(), started=time.monotonic())
+        for i in range(2):
+            t.first_token = t.first_token or time.monotonic()
+            t.last_token = time.monotonic()
+            yield TextDelta(text=(" " if i else "") + self.word(i), num_tokens=1)
+        spec = SpecStats(rounds=2, drafted=6, verified=5, accepted=1, emitted=2, accepted_per_position=[1]) \
+            if req.return_spec_stats else None
+        yield Finished(self.end_with, len(req.prompt_token_ids), 2, t, spec)
+
+
+async def test_metric_values_agree_with_the_request_records(tenancy_db):
+    """Two tenants, every kind of outcome; after the writer flushed, each request-level
+    counter (per tenant) equals the same quantity summed over the tenant's rows in
+    request_records, and the spec_decode_* counters equal the rows' speculative sums."""
+    backend = EndingFake()
+    d = Delta()
+    async with tenancy_app(tenancy_db, backend) as (app, c):
+        await admin_setup(c, {"gold": {"rpm": 100, "min_tokens_per_s": 1, "priority": 10},
+                              "bronze": {"rpm": 3}},
+                          {"acme": "gold", "initech": "bronze"})
+        keys = {"acme": await new_key(c, "acme", "alice"), "initech": await new_key(c, "initech", "dave")}
+
+        async def post(tenant, **body):
+            return (await c.post("/v1/chat/completions", json=chat(**body),
+                                 headers={"Authorization": f"Bearer {keys[tenant]}"})).status_code
+
+        codes = [await post("acme"),  # stop, 7 tokens
+                 await post("acme", stream=True, max_tokens=3),  # length, 3
+                 await post("acme", return_spec_stats=True),  # stop, 7, spec
+                 await post("acme", stream=True, max_tokens=5, return_spec_stats=True),  # length, 5, spec
+                 await post("initech", return_spec_stats=True, max_tokens=4)]  # length, 4, spec
+        backend.fail_after_deltas = 2
+        codes += [await post("acme", stream=True), await post("initech")]  # Failed engine_error after 2 tokens
+        backend.fail_after_deltas, backend.queue_full = None, True
+        codes += [await post("acme")]  # rejected: queue_full
+        backend.queue_full, backend.end_with = False, FinishReason.ABORT
+        codes += [await post("acme", stream=True, return_spec_stats=True)]  # cancelled by the engine, 2 tokens
+        backend.end_with = FinishReason.ERROR
+        codes += [await post("initech")]  # failed (abnormal finish), 2 tokens: rpm 3 used up
+        backend.end_with = None
+        codes += [await post("initech"), await post("initech", stream=True)]  # 429 rate_limit_exceeded
+        r = await c.post("/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer sk-nobody"})
+        assert codes == [200, 200, 200, 200, 200, 200, 500, 503, 200, 500, 429, 429] and r.status_code == 401
+        await app.state.records.flush()
+        async with app.state.sessionmaker() as s:
+            recs, _ = await crud_records.query_records(s, limit=1000)
+    by = {t: [r for r in recs if r.tenant == t] for t in ("acme", "initech")}
+    assert len(recs) == 12 and {t: len(v) for t, v in by.items()} == {"acme": 7, "initech": 5}
+    assert sum(r.completion_tokens for r in recs) == 7 + 3 + 7 + 5 + 4 + 2 + 2 + 2 + 2  # not vacuous
+
+    for tenant, rows in by.items():
+        m = lambda name, **labels: d(f"sparkgate:{name}", tenant=tenant, **labels)  # noqa: E731
+        assert m("generation_tokens_total") == sum(r.completion_tokens for r in rows), tenant
+        # prompt tokens of requests that reached the engine; a rejected row keeps its
+        # request's prompt size (the reason it was refused) but nothing was prefilled
+        ran = [r for r in rows if r.status != "rejected"]
+        assert m("prompt_tokens_total") == sum(r.prompt_tokens for r in ran) > 0, tenant
+        assert all(r.prompt_tokens > 0 for r in rows if r.status == "rejected")
+        for reason in ("stop", "length"):
+            assert m("request_success_total", finished_reason=reason) == sum(
+                r.status == "finished" and r.finish_reason == reason for r in rows), (tenant, reason)
+        assert m("request_success_total", finished_reason="abort") == sum(r.status == "cancelled" for r in rows)
+        assert m("request_success_total") == sum(r.status in ("finished", "cancelled") for r in rows)
+        errors = [r for r in rows if r.status in ("failed", "rejected")]
+        for code in {r.error_code for r in errors} | {"engine_error"}:
+            assert m("request_errors_total", code=code) == sum(r.error_code == code for r in errors), (tenant, code)
+        assert m("request_errors_total") == len(errors)
+        # admission 429s only (queue_full is the engine's refusal: an error, not a rate limit)
+        assert m("rate_limited_requests_total") == sum(
+            r.status == "rejected" and r.error_code in metrics.ADMISSION_CODES for r in rows)
+        assert m("rate_limited_requests_total", code="rate_limit_exceeded") == sum(
+            r.error_code == "rate_limit_exceeded" for r in rows)
+        for result, met in (("met", True), ("missed", False)):
+            assert m("sla_requests_total", result=result) == sum(r.sla_met is met for r in rows), (tenant, result)
+        assert m("e2e_request_latency_seconds_count") == sum(r.status == "finished" for r in rows)
+    assert sorted((r.status, r.finish_reason or r.error_code) for r in by["acme"]) == [
+        ("cancelled", None), ("failed", "engine_error"), ("finished", "length"), ("finished", "length"),
+        ("finished", "stop"), ("finished", "stop"), ("rejected", "queue_full")]
+    assert sorted((r.status, r.finish_reason or r.error_code) for r in by["initech"]) == [
+        ("failed", "engine_error"), ("failed", "engine_error"), ("finished", "length"),
+        ("rejected", "rate_limit_exceeded"), ("rejected", "rate_limit_exceeded")]
+    assert sum(r.sla_met is not None for r in by["acme"]) == 4  # gold's finished requests were graded
+    assert d("sparkgate:request_errors_total", code="invalid_api_key", tenant="unknown") == 1  # no key: no row
+
+    spec = [r for r in recs if r.spec_rounds is not None]
+    assert len(spec) == 4  # three finished, one cancelled
+    for name, col in (("num_drafts", "spec_rounds"), ("num_draft_tokens", "spec_drafted"),
+                      ("num_verified_tokens", "spec_verified"), ("num_accepted_tokens", "spec_accepted")):
+        assert d(f"sparkgate:spec_decode_{name}_total") == sum(getattr(r, col) for r in spec) > 0, name
+    width = max(len(r.accepted_per_position) for r in spec)
+    assert width == 2
+    for pos in range(width):
+        assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == sum(
+            (r.accepted_per_position + [0] * width)[pos] for r in spec), pos
+    assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position=str(width)) == 0
 
 
 def test_label_cap_keeps_first_n_then_other():

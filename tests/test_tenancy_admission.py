@@ -18,7 +18,7 @@ from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
 from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, running_app, sqlite_db,
+    ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
 )
 
 
@@ -28,9 +28,9 @@ async def rows(app, **filters) -> list[RequestRecord]:
         return (await crud_records.query_records(s, limit=1000, **filters))[0]
 
 
-async def test_fifty_simultaneous_requests_never_more_than_five_in_the_engine(sqlite_db):
+async def test_fifty_simultaneous_requests_never_more_than_five_in_the_engine(tenancy_db):
     backend = CountingBackend(token_delay_s=0.01)
-    async with running_app(sqlite_db, backend) as (app, client):
+    async with running_app(tenancy_db, backend) as (app, client):
         await admin_setup(client, {"five": {"max_concurrent": 5, "max_queue_wait_s": 60}}, {"acme": "five"})
         key = await new_key(client, "acme", "alice")
         t0 = time.monotonic()

@@ -13,7 +13,7 @@ import pytest
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
 from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, admin_setup, bearer, new_key, redis_url, running_app, sqlite_db,
+    ADMIN_HEADERS, admin_setup, bearer, new_key, pg_tenancy_url, redis_url, running_app, sqlite_db, tenancy_db,
 )
 
 A = ADMIN_HEADERS
@@ -33,9 +33,9 @@ def post(client, key, **body):
     return client.post("/v1/chat/completions", json=chat(**body), headers=bearer(key))
 
 
-async def test_three_tenants_two_tiers(sqlite_db):
+async def test_three_tenants_two_tiers(tenancy_db):
     backend = FakeBackend(token_delay_s=0.001)
-    async with running_app(sqlite_db, backend) as (app, client):
+    async with running_app(tenancy_db, backend) as (app, client):
         await admin_setup(client, {"gold": GOLD, "bronze": BRONZE},
                           {"acme": "gold", "globex": "gold", "initech": "bronze"})
         k = {u: await new_key(client, t, u) for u, t in

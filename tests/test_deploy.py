@@ -338,6 +338,72 @@ def test_compose_mounts_match_provisioning_and_scrape_target():
     assert not any("9464" in str(p) for p in services["gateway"].get("ports", []))  # metrics port stays private
 
 
+def compose_interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${NAME}`` / ``${NAME:-default}`` substitution (the forms this file uses)."""
+    def sub(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if default is None:
+            return env.get(name, "")
+        return env.get(name) or default  # ":-": the default also replaces an empty value
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", sub, str(value))
+
+
+def test_compose_gateway_env_matches_the_sglang_service(monkeypatch):
+    """Under ``SPARKGATE_BACKEND=sglang docker compose --profile gpu up``, the gateway's env,
+    read by the real ``Settings``, gives an ``SGLangConfig`` that fits the sglang service's
+    launch command: its URL and port, the served model's tokenizer (same ./models mount),
+    priorities sent iff the server schedules by them (``--priority`` →
+    ``--enable-priority-scheduling``, SGLang 0.5.23 ``srt/arg_groups/fields/schedule.py``),
+    in the order it expects, and no longer a context than the server's."""
+    from gateway.core.config import Settings
+    from runtime.sglang.launch import build_launch_command, build_parser
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    gateway, sglang = services["gateway"], services["sglang"]
+    args, passthrough = build_parser().parse_known_args(sglang["command"][3:])
+    args.passthrough = passthrough
+    launch = build_launch_command(args)
+    server_flags = {flag.split("=", 1)[0]: flag.split("=", 1)[1] if "=" in flag else None
+                    for flag in passthrough}
+
+    for name in [k for k in os.environ if k.startswith("SPARKGATE_")]:
+        monkeypatch.delenv(name)  # only the compose file's values count
+    for name, value in gateway["environment"].items():
+        monkeypatch.setenv(name, compose_interpolate(value, {"SPARKGATE_BACKEND": "sglang"}))
+    settings = Settings(_env_file=None)
+    assert settings.backend == "sglang"
+    cfg = settings.backend_config()
+
+    assert cfg.urls == (f"http://sglang:{args.port}",)
+    assert args.model_path == cfg.tokenizer_path == "/models/target"
+    assert "./models:/models:ro" in gateway["volumes"] and "./models:/models:ro" in sglang["volumes"]
+    assert "--enable-priority-scheduling" in launch  # the service runs --priority ...
+    assert cfg.send_priority is True  # ... so the gateway sends the tiers' priorities
+    # both keep SGLang's default order (larger priority first), matching the tiers' meaning
+    assert "--schedule-low-priority-values-first" not in launch and cfg.priority_low_values_first is False
+    assert cfg.max_context <= int(server_flags["--context-length"])
+    # without SPARKGATE_BACKEND the same file still runs the embedded engine
+    monkeypatch.setenv("SPARKGATE_BACKEND", compose_interpolate(gateway["environment"]["SPARKGATE_BACKEND"], {}))
+    assert Settings(_env_file=None).backend == "embedded"
+
+
+def test_deploy_gpu_doc_quotes_the_compose_file():
+    """docs/deploy-gpu.md's YAML excerpt is the compose file's: the whole sglang service and
+    the gateway's SGLang settings and model mount, value for value."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "deploy-gpu.md").read_text(), re.S)
+    assert len(blocks) == 1
+    excerpt = yaml.safe_load(blocks[0])["services"]
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert set(excerpt) == {"gateway", "sglang"}
+    assert excerpt["sglang"] == services["sglang"]
+    assert set(excerpt["gateway"]) == {"environment", "volumes"}
+    env = services["gateway"]["environment"]
+    assert {k: env.get(k) for k in excerpt["gateway"]["environment"]} == excerpt["gateway"]["environment"]
+    assert sorted(k for k in env if "SGLANG" in k or k == "SPARKGATE_BACKEND") == sorted(
+        excerpt["gateway"]["environment"])  # every SGLang setting of the gateway is shown
+    assert set(excerpt["gateway"]["volumes"]) <= set(services["gateway"]["volumes"])
+
+
 def test_compose_file_validates():
     binary = shutil.which("docker-compose")
     require_or_skip(binary is not None, "docker-compose (Debian package 'docker-compose')")

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Callable
 
 from gateway.core.config import Settings
@@ -331,12 +332,42 @@ PASSTHROUGH = {
     "train-drafter": ("runtime.dspark.cli", ["train"], "train a DSpark drafter (online target features)"),
     "calibrate-drafter": ("runtime.dspark.cli", ["calibrate"], "fit STS temperatures into a drafter checkpoint"),
     "eval": ("runtime.dspark.cli", ["eval"], "accepted length τ on the DeepSpec eval sets"),
+    "bench": ("", [], "run a benchmark script of bench/ (JSON out): sparkgate bench NAME [ARGS]; no NAME lists them"),
 }
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench(argv: list[str]) -> int:
+    """``sparkgate bench NAME ARGS…`` → ``bench/NAME.py ARGS…`` as ``__main__`` (the scripts
+    live in the checkout, not in the installed package)."""
+    import runpy
+
+    scripts = sorted(p.stem for p in BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in scripts:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown benchmark {argv[0]!r}", file=sys.stderr)
+        print("usage: sparkgate bench NAME [ARGS...]; NAME one of: " + (", ".join(scripts) or f"(none in {BENCH_DIR})"))
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    root = str(BENCH_DIR.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    old = sys.argv
+    sys.argv = [str(BENCH_DIR / f"{argv[0]}.py"), *argv[1:]]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    finally:
+        sys.argv = old
+    return 0
 
 
 def _passthrough(name: str, argv: list[str]) -> int:
     import importlib
 
+    if name == "bench":
+        return _bench(argv)
     module, prefix, _ = PASSTHROUGH[name]
     return int(importlib.import_module(module).main(prefix + argv) or 0)
 

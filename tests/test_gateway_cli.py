@@ -97,3 +97,20 @@ def test_serve_migrates_bootstraps_a_key_once_and_runs_uvicorn(tmp_path, monkeyp
 def test_quickstart_uses_loopback_for_wildcard_host():
     text = cli.quickstart("sk-sg-x", make_settings("sqlite+aiosqlite://", host="0.0.0.0", port=8080))
     assert "http://127.0.0.1:8080/v1" in text and "0.0.0.0" not in text
+
+
+def test_bench_subcommand_lists_and_runs_the_bench_scripts(capsys, tmp_path, monkeypatch):
+    from gateway import cli
+
+    assert cli.main(["bench"]) == 0
+    listed = capsys.readouterr().out
+    assert "serve_bench" in listed and "dtype_bench" in listed
+    assert cli.main(["bench", "no_such_bench"]) == 2
+    assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().err
+    # a script runs as __main__ with its own argv, and its exit code comes back
+    (tmp_path / "echo_bench.py").write_text(
+        "import json, sys\nif __name__ == '__main__':\n    print(json.dumps(sys.argv[1:]))\n    sys.exit(int(sys.argv[-1]))\n")
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path)
+    assert cli.main(["bench", "echo_bench", "--x", "3"]) == 3
+    assert capsys.readouterr().out.strip() == '["--x", "3"]'
+    assert cli.main(["bench", "echo_bench", "0"]) == 0

@@ -388,15 +388,24 @@ async def test_separate_metrics_port_serves_without_auth_and_stops_with_the_app(
 # -- engine counters (real model, no server) ---------------------------------------------------
 
 @pytest.mark.model
-@pytest.mark.parametrize("spec_method", ["none", "prompt_lookup"])
+@pytest.mark.parametrize("spec_method", ["none", "prompt_lookup", "dspark"])
 def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer, spec_method):
+    """B per round = Σ_r (1 + ℓ_r), and every round of ALL running requests is ONE target
+    forward: the three prompts prefill together in the first forward, after which each
+    forward is one decode round (forward_steps = 1 + decode_steps) and the request that
+    runs longest took part in every round (max rounds = decode_steps). Under dspark-sla
+    the scheduler picks each request's ℓ_r inside those shared forwards."""
+    from pathlib import Path
+
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
     from runtime.interface import Finished, GenerationRequest, SamplingParams
 
     finals = {}
+    table = Path(__file__).resolve().parent / "data" / "sps_table.json"
     engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=3, max_context=256, spec_method=spec_method,
-                                    num_speculative_tokens=4),
+                                    num_speculative_tokens=4, spec_policy="dspark-sla",
+                                    sps_table_path=str(table) if spec_method == "dspark" else None),
                        lambda rid, ev: finals.__setitem__(rid, ev) if isinstance(ev, Finished) else None,
                        model=target_fp32, tokenizer=tokenizer)
     texts = ["Count from one to twenty: one, two, three,", "Repeat: a b c a b c a b c", "Hello"]
@@ -404,7 +413,9 @@ def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer
         engine.add_request(GenerationRequest(str(i), tokenizer.encode(text), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     while engine.has_work():
         engine.step()
-    assert engine.forward_steps >= engine.decode_steps > 0
+    assert engine.forward_steps == 1 + engine.decode_steps > 1
+    if spec_method != "none":
+        assert max(f.spec.rounds for f in finals.values()) == engine.decode_steps
     if spec_method == "none":  # every decode round verifies one anchor per running request
         assert engine.verify_tokens == sum(f.completion_tokens - 1 for f in finals.values())
     else:  # B = Σ_r (1 + ℓ_r): per request, one anchor per round plus its verified drafts

@@ -455,6 +455,21 @@ def test_a_tenant_key_opens_no_admin_page(ui, live_server):
     page.get_by_role("alert").filter(has_text="unknown, revoked or expired").wait_for()
 
 
+def assert_every_control_is_reachable_by_tab(page, route: str) -> None:
+    """Tab from the top of the page through every visible control: each link, button and
+    form field must receive focus (none skipped by tabindex=-1 or a non-focusable widget)."""
+    controls = """() => [...document.querySelectorAll('a[href], button, input, select, textarea')]
+        .filter(e => !e.disabled && e.getClientRects().length && getComputedStyle(e).visibility !== 'hidden')"""
+    n = page.evaluate(f"({controls})().length")
+    assert n > 0, route
+    page.evaluate("document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0)")
+    for _ in range(n + 5):
+        page.keyboard.press("Tab")
+        page.evaluate("document.activeElement && document.activeElement.setAttribute('data-tab-seen', '1')")
+    missed = page.evaluate(f"({controls})().filter(e => !e.hasAttribute('data-tab-seen')).map(e => e.outerHTML)")
+    assert missed == [], (route, missed)
+
+
 @pytest.mark.model
 def test_every_page_renders_labelled_controls_without_errors(ui, live_server):
     """Each page loads with no script error or CSP violation; every form control has a
@@ -479,6 +494,8 @@ def test_every_page_renders_labelled_controls_without_errors(ui, live_server):
             .filter(e => !(e.textContent.trim() || e.getAttribute('aria-label'))).map(e => e.outerHTML)""")
         assert nameless == [], (route, nameless)
         assert page.locator("nav [aria-current=page]").text_content() == title
+        if route != "overview":  # (the Overview re-renders on its 2 s poll)
+            assert_every_control_is_reachable_by_tab(page, route)
         if route == "acceptance":
             ui.shot("acceptance")
     # the acceptance charts equal the API for their window

@@ -4,15 +4,19 @@ non-streamed result, for chat (``chat.completion[.chunk]``) and legacy completio
 
 ``spec_stats`` (our extension, :meth:`SpecStats.to_dict`) is serialized only when the
 request asked for it (``return_spec_stats``), on the finishing chunk / final object.
+``logprobs`` (when asked, :class:`gateway.logprobs.LogprobsBuilder`) ride on every
+content chunk (the tokens of that step) and on the final object (all tokens).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Sequence
 
 from pydantic import BaseModel
 
+from gateway.logprobs import LogprobsBuilder
 from gateway.schemas.openai import (
     AssistantMessage,
     ChatChoice,
@@ -23,7 +27,7 @@ from gateway.schemas.openai import (
     TextCompletion,
     Usage,
 )
-from runtime.interface import Finished
+from runtime.interface import Finished, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -34,12 +38,19 @@ def new_id(prefix: str) -> str:
 class _Formatter:
     id_prefix = ""
 
-    def __init__(self, model: str, prompt_tokens: int, return_spec_stats: bool):
+    def __init__(self, model: str, prompt_tokens: int, return_spec_stats: bool,
+                 logprobs: LogprobsBuilder | None = None):
         self.id = new_id(self.id_prefix)
         self.created = int(time.time())
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.return_spec_stats = return_spec_stats
+        self.logprobs = logprobs  # None: the request did not ask for logprobs
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` for this request."""
+        return self.logprobs.num_top if self.logprobs is not None else None
 
     def usage(self, finished: Finished) -> Usage:
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=finished.completion_tokens,
@@ -67,8 +78,11 @@ class ChatFormatter(_Formatter):
         """The role chunk OpenAI sends first: ``delta = {"role": "assistant", "content": ""}``."""
         return [self.dump(self._chunk([ChunkChoice(delta={"role": "assistant", "content": ""})]))]
 
-    def delta(self, text: str) -> dict:
-        return self.dump(self._chunk([ChunkChoice(delta={"content": text})]))
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict | None:
+        return self.logprobs.chat(entries or []) if self.logprobs is not None else None
+
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+        return self.dump(self._chunk([ChunkChoice(delta={"content": text}, logprobs=self._logprobs(logprobs))]))
 
     def finish(self, finished: Finished) -> dict:
         """Last chunk with choices: empty delta + ``finish_reason`` (+ ``spec_stats``)."""
@@ -80,10 +94,10 @@ class ChatFormatter(_Formatter):
         """``stream_options.include_usage``: ``choices: []`` and the full usage."""
         return self.dump(self._chunk([], usage=self.usage(finished)))
 
-    def complete(self, text: str, finished: Finished) -> dict:
+    def complete(self, text: str, finished: Finished, logprobs: Sequence[TokenLogprob] | None = None) -> dict:
         obj = ChatCompletion(
             **self.header(),
-            choices=[ChatChoice(message=AssistantMessage(content=text),
+            choices=[ChatChoice(message=AssistantMessage(content=text), logprobs=self._logprobs(logprobs),
                                 finish_reason=finished.finish_reason.value)],
             usage=self.usage(finished),
             spec_stats=self.spec_stats(finished),
@@ -100,8 +114,11 @@ class CompletionFormatter(_Formatter):
     def opening(self) -> list[dict]:
         return []
 
-    def delta(self, text: str) -> dict:
-        return self.dump(self._obj([CompletionChoice(text=text)]))
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict | None:
+        return self.logprobs.completion(entries or []) if self.logprobs is not None else None
+
+    def delta(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+        return self.dump(self._obj([CompletionChoice(text=text, logprobs=self._logprobs(logprobs))]))
 
     def finish(self, finished: Finished) -> dict:
         obj = self._obj([CompletionChoice(text="", finish_reason=finished.finish_reason.value)],
@@ -111,8 +128,9 @@ class CompletionFormatter(_Formatter):
     def usage_chunk(self, finished: Finished) -> dict:
         return self.dump(self._obj([], usage=self.usage(finished)))
 
-    def complete(self, text: str, finished: Finished) -> dict:
-        obj = self._obj([CompletionChoice(text=text, finish_reason=finished.finish_reason.value)],
+    def complete(self, text: str, finished: Finished, logprobs: Sequence[TokenLogprob] | None = None) -> dict:
+        obj = self._obj([CompletionChoice(text=text, logprobs=self._logprobs(logprobs),
+                                          finish_reason=finished.finish_reason.value)],
                         usage=self.usage(finished), spec_stats=self.spec_stats(finished))
         return self.dump(obj, final=True)
 

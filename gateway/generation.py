@@ -29,7 +29,9 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import APIError, SERVER_ERROR, error_body, overloaded, server_error
 from gateway.formatters import Formatter
 from gateway.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
-from runtime.interface import Backend, Event, Failed, Finished, FinishReason, GenerationRequest, QueueFullError, TextDelta
+from runtime.interface import (
+    Backend, Event, Failed, Finished, FinishReason, GenerationRequest, QueueFullError, TextDelta, TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,20 +161,25 @@ async def start_generation(
     return stream
 
 
-async def collect(stream: EventStream, request: Request) -> tuple[str, Finished]:
-    """Non-streaming: join all text deltas; returns ``(text, finished)``.
+async def collect(stream: EventStream, request: Request) -> tuple[str, Finished, list[TokenLogprob] | None]:
+    """Non-streaming: join all text deltas; returns ``(text, finished, logprobs)``
+    (``logprobs``: all tokens' entries in order, ``None`` when no delta carried any).
 
     Raises:
         APIError: 500 on ``Failed``/abnormal finish, 499 when the client left (aborted).
     """
 
-    async def run() -> tuple[str, Finished]:
+    async def run() -> tuple[str, Finished, list[TokenLogprob] | None]:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = None
         async for event in stream:
             if isinstance(event, TextDelta):
                 parts.append(event.text)
+                if event.logprobs is not None:
+                    logprobs = logprobs if logprobs is not None else []
+                    logprobs.extend(event.logprobs)
             elif is_normal_finish(event):
-                return "".join(parts), event
+                return "".join(parts), event, logprobs
             else:
                 raise failure_error(event)
         raise server_error("The engine ended the request without a result.")
@@ -188,15 +195,15 @@ async def sse_events(
     fmt: Formatter,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """Streaming: SSE bytes of the whole response (role chunk, one chunk per non-empty
-    delta, finish chunk, optional usage chunk, ``[DONE]``)."""
+    """Streaming: SSE bytes of the whole response (role chunk, one chunk per delta with
+    text or logprobs, finish chunk, optional usage chunk, ``[DONE]``)."""
     try:
         for payload in fmt.opening():
             yield sse(payload)
         async for event in stream:
             if isinstance(event, TextDelta):
-                if event.text:
-                    yield sse(fmt.delta(event.text))
+                if event.text or event.logprobs:
+                    yield sse(fmt.delta(event.text, event.logprobs))
             elif is_normal_finish(event):
                 yield sse(fmt.finish(event))
                 if include_usage:

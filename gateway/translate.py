@@ -49,8 +49,8 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
     Neutral values are accepted: ``tools: []``, ``tool_choice: "none"``,
-    ``response_format: {"type": "text"}``, ``logprobs: false``, ``n: 1``, zero penalties,
-    empty ``logit_bias``.
+    ``response_format: {"type": "text"}``, ``n: 1``, zero penalties, empty ``logit_bias``.
+    ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers it).
     """
     if body.tools not in (None, []):
         raise unsupported("tools", "Tool calling is not available yet.")
@@ -62,18 +62,14 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise unsupported("function_call", "Function calling is not available yet.")
     if body.response_format not in (None, {"type": "text"}):
         raise unsupported("response_format", 'Only {"type": "text"} is supported.')
-    if body.logprobs not in (None, False):
-        raise unsupported("logprobs")
-    if body.top_logprobs not in (None, 0):
-        raise unsupported("top_logprobs")
+    if body.top_logprobs is not None and body.logprobs is not True:
+        raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
     _reject_common(body)
 
 
 def reject_unsupported_completion(body: CompletionRequest) -> None:
-    """Like :func:`reject_unsupported_chat` for ``/v1/completions`` (``echo``, ``suffix``,
-    ``best_of`` > 1 and ``logprobs`` are refused)."""
-    if body.logprobs is not None:
-        raise unsupported("logprobs")
+    """Like :func:`reject_unsupported_chat` for ``/v1/completions`` (``echo``, ``suffix``
+    and ``best_of`` > 1 are refused)."""
     if body.echo not in (None, False):
         raise unsupported("echo")
     if body.suffix not in (None, ""):
@@ -81,6 +77,22 @@ def reject_unsupported_completion(body: CompletionRequest) -> None:
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "Only best_of=1 is supported.")
     _reject_common(body)
+
+
+def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | None:
+    """Top alternatives per token the request asks for, ``None`` for no logprobs.
+
+    Chat: ``logprobs: true`` → ``top_logprobs`` (default 0); legacy completions: the
+    integer ``logprobs``. Ranges are checked by the schema (chat 0..20, legacy 0..5).
+    400 ``unsupported_parameter`` when the backend cannot return them.
+    """
+    if isinstance(body, ChatCompletionRequest):
+        n = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        n = getattr(body, "logprobs", None)
+    if n is not None and not info.supports_logprobs:
+        raise unsupported("logprobs", "This backend does not return logprobs.")
+    return n
 
 
 def _message_text(msg: ChatMessage, i: int) -> str:
@@ -162,8 +174,10 @@ def generation_request(
     tenant: str | None,
     user_label: str | None,
     timeout_s: float | None,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
-    """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off."""
+    """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
+    ``logprobs`` from :func:`requested_logprobs`."""
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -172,6 +186,7 @@ def generation_request(
         stop=stop_strings(body.stop),
         seed=body.seed,
         ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
     )
     return GenerationRequest(
         request_id=request_id,

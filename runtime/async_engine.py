@@ -83,13 +83,20 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        from runtime.detokenizer import token_bytes
+
+        return token_bytes(self._tokenizer, token_ids)
+
     # -- streaming --------------------------------------------------------------
     def load(self) -> LoadSnapshot:
         e = self.engine
         if e is None:
             return LoadSnapshot(0, 0, self.config.max_batch_size, 0)
+        pc = getattr(e, "prefix_cache", None)
         return LoadSnapshot(e.num_running, e.num_waiting + self._pending_adds, self.config.max_batch_size,
-                            e.forward_steps, e.decode_steps, e.verify_tokens)
+                            e.forward_steps, e.decode_steps, e.verify_tokens,
+                            pc.queries if pc is not None else 0, pc.hits if pc is not None else 0)
 
     def spec_info(self) -> SpecInfo:
         spec = self.engine.speculator if self.engine is not None else None

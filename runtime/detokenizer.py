@@ -209,3 +209,51 @@ class Detokenizer:
                     best = n
                     break
         return best
+
+
+# ------------------------------------------------------------------ token bytes
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's char → byte table (the inverse of its ``bytes_to_unicode``:
+    printable Latin-1 bytes map to themselves, the other 68 bytes to U+0100 onwards)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer, token_ids: Sequence[int]) -> list[bytes]:
+    """The exact bytes each token stands for (OpenAI logprobs ``bytes``).
+
+    Byte-level BPE (SmolLM2, GPT-2 family): the token's vocabulary string mapped
+    back through the byte table, so a token holding half of a multibyte character
+    gives those raw bytes (``tokenizer.decode([id])`` would give U+FFFD). Added /
+    special tokens give their literal content (``b"<|im_end|>"``). Other decoders:
+    ``decode([id])`` encoded as UTF-8.
+
+    Args:
+        tokenizer: a ``transformers`` fast tokenizer or a ``tokenizers.Tokenizer``.
+        token_ids: ids to look up.
+    """
+    tok: Tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    added = tok.get_added_tokens_decoder()
+    byte_level = type(tok.decoder).__name__ == "ByteLevel"
+    out = []
+    for tid in token_ids:
+        tid = int(tid)
+        if tid in added:
+            out.append(added[tid].content.encode())
+            continue
+        piece = tok.id_to_token(tid) if byte_level else None
+        if piece is not None and all(c in _BYTE_DECODER for c in piece):
+            out.append(bytes(_BYTE_DECODER[c] for c in piece))
+        else:
+            out.append(tok.decode([tid], skip_special_tokens=False).encode())
+    return out

@@ -9,6 +9,12 @@ Event order for one request (always):
     zero or more ``TextDelta`` → exactly one ``Finished`` (or ``Failed``).
 ``TextDelta`` may carry several tokens at once (speculative rounds accept
 several); joined in order the deltas are exactly the completion text.
+
+Logprobs (``SamplingParams.logprobs``) are those of the TARGET model's raw
+distribution: ``log_softmax`` of its logits before temperature / top-k / top-p
+(vLLM's default, "raw logprobs"), so they do not depend on the sampling
+parameters or on speculation (an accepted draft token gets the target's
+logprob of the verification row that judged it, never the drafter's).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class SamplingParams:
             text itself is never returned.
         seed: per-request ``torch.Generator`` seed, reproducible; ``None`` → random.
         ignore_eos: keep generating past EOS (benchmarks only).
+        logprobs: ``None`` → no logprobs (and no cost). ``n`` in
+            ``0..MAX_TOP_LOGPROBS`` → every completion token's :class:`TokenLogprob`
+            (its target logprob and the n most likely tokens, see the module
+            docstring) rides on the :class:`TextDelta` that carries it.
     """
 
     temperature: float = 1.0
@@ -41,6 +51,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI chat's ``top_logprobs`` limit; the engine refuses more
 
 
 @dataclass
@@ -141,14 +155,38 @@ def decode_tokens_per_s(completion_tokens: int, t_first: float | None, t_last: f
 
 
 @dataclass
+class TokenLogprob:
+    """One completion token's log-probability under the target (module docstring).
+
+    Attributes:
+        token_id: the emitted token.
+        logprob: its natural-log probability (float, ≤ 0).
+        top: the n most likely tokens of the same distribution as
+            ``(token_id, logprob)``, most likely first (n = ``SamplingParams.logprobs``;
+            the emitted token is among them only if it ranks in the top n).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class TextDelta:
     """New completion text and the number of tokens it came from (≥ 1, may be 0
     when a held-back partial UTF-8 character / stop-string prefix is released
-    at the end)."""
+    at the end).
+
+    ``logprobs`` is ``None`` unless the request asked for them; then it is aligned
+    1:1 with ``token_ids`` (the tokens kept this step, EOS included). The text of
+    those tokens may lag behind them (a held-back partial character or possible
+    stop-string prefix comes in a later delta).
+    """
 
     text: str
     num_tokens: int
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -197,6 +235,7 @@ class BackendInfo:
     model_name: str
     max_context: int
     eos_token_id: int
+    supports_logprobs: bool = True  # False → the gateway refuses logprobs with a 400
 
 
 @dataclass
@@ -209,6 +248,8 @@ class LoadSnapshot:
     forward_steps: int  # engine counter: target forward passes since start
     decode_steps: int = 0  # engine counter: forwards that verified ≥ 1 decoding request (rounds)
     verify_tokens: int = 0  # engine counter: Σ over those rounds of B = Σ_r (1 + ℓ_r) tokens verified
+    prefix_cache_queries: int = 0  # engine counter: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # engine counter: of those, KV reused (not prefilled again)
 
 
 @dataclass
@@ -253,6 +294,15 @@ class Backend(Protocol):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt (``/v1/completions``)."""
+        ...
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The UTF-8 bytes each token stands for (for logprobs' ``token``/``bytes``).
+
+        Byte-level BPE: a multibyte character may be split over tokens, so one
+        token's bytes need not be valid UTF-8; joined in order they are the
+        completion's bytes. Special tokens give their literal text (``<|im_end|>``).
+        """
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:

@@ -9,6 +9,12 @@ leading space), ``tokens_per_delta`` words per :class:`TextDelta`, then ``stop``
 repeats until ``max_tokens``). Knobs make it fail mid-stream, refuse with a full
 queue, or go slowly; it records every request and every abort (iterator closed
 before its terminal event).
+
+Token ids of the generated text: each emitted piece (``"Hello"``, ``" there,"``, …)
+is one token of the same growing vocabulary, so ``token_bytes`` gives the piece back.
+With ``sampling.logprobs`` set, the j-th completion token gets logprob ``-0.25·(j % 4)
+- 0.125`` and its alternatives are the next script words, each 1.0 lower (see
+:meth:`FakeBackend.fake_logprob`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from runtime.interface import (
     SpecInfo,
     SpecStats,
     TextDelta,
+    TokenLogprob,
 )
 
 DEFAULT_SCRIPT = ("Hello", "there,", "I", "am", "a", "fake", "model.")
@@ -95,6 +102,10 @@ class FakeBackend:
         words += ["<|im_start|>", "assistant"]
         return self.encode(" ".join(words))
 
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        by_id = {i: w for w, i in self._vocab.items()}
+        return [by_id.get(int(t), f"<{t}>").encode() for t in token_ids]
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         self.requests.append(request)
         if self.queue_full and not self.raise_lazily:
@@ -113,6 +124,20 @@ class FakeBackend:
 
     def expected_text(self, n_tokens: int) -> str:
         return " ".join(self.word(i) for i in range(n_tokens))
+
+    def piece(self, i: int) -> str:
+        """Text of completion token i: the script word, with a leading space after the first."""
+        return self.word(i) if i == 0 else " " + self.word(i)
+
+    def piece_id(self, i: int) -> int:
+        return self._vocab.setdefault(self.piece(i), len(self._vocab) + 1)
+
+    def fake_logprob(self, i: int, num_top: int) -> TokenLogprob:
+        """Completion token i's deterministic fake logprob and ``num_top`` alternatives
+        (token i itself first, then the next script pieces, sorted)."""
+        lp = -0.25 * (i % 4) - 0.125
+        top = [(self.piece_id(i + j), lp - 1.0 * j) for j in range(num_top)]
+        return TokenLogprob(self.piece_id(i), lp, top)
 
     async def _run(self, req: GenerationRequest) -> AsyncIterator[Event]:
         if self.queue_full:
@@ -136,15 +161,16 @@ class FakeBackend:
                     yield Failed("fake engine exploded", code="engine_error", completion_tokens=emitted)
                     return
                 k = min(self.tokens_per_delta, total - emitted)
-                text = " ".join(self.word(emitted + j) for j in range(k))
-                if emitted:
-                    text = " " + text
+                text = "".join(self.piece(emitted + j) for j in range(k))
+                ids = [self.piece_id(emitted + j) for j in range(k)]
+                n_top = req.sampling.logprobs
+                lps = None if n_top is None else [self.fake_logprob(emitted + j, n_top) for j in range(k)]
                 now = time.monotonic()
                 timings.first_token = timings.first_token or now
                 timings.last_token = now
                 emitted += k
                 deltas += 1
-                yield TextDelta(text=text, num_tokens=k, token_ids=self.encode(text))
+                yield TextDelta(text=text, num_tokens=k, token_ids=ids, logprobs=lps)
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
             timings.finished = time.monotonic()

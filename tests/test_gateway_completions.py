@@ -71,7 +71,7 @@ BAD = [
     ({"prompt": [1, 2, 3]}, "prompt", None),
     ({"prompt": None}, "prompt", None),
     ({"echo": True}, "echo", "unsupported_parameter"),
-    ({"logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ({"logprobs": 6}, "logprobs", "invalid_value"),  # OpenAI's legacy maximum is 5
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
     ({"best_of": 3}, "best_of", "unsupported_parameter"),
     ({"n": 3}, "n", "unsupported_parameter"),

@@ -85,6 +85,13 @@ BAD_BODIES = [
     (chat(seed="42"), "seed"),
     (chat(user=5), "user"),
     (chat(ignore_eos="true"), "ignore_eos"),
+    (chat(logprobs="yes"), "logprobs"),
+    (chat(logprobs=1), "logprobs"),
+    (chat(top_logprobs=3), "top_logprobs"),  # OpenAI: top_logprobs needs logprobs: true
+    (chat(logprobs=False, top_logprobs=0), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=2.0), "top_logprobs"),
 ]
 
 
@@ -110,8 +117,6 @@ UNSUPPORTED = [
     ({"function_call": "auto"}, "function_call"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
     ({"n": 2}, "n"),
     ({"n": 0}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"),

@@ -195,7 +195,7 @@ def test_deeply_nested_json_400_not_500(server):
     ({"max_tokens": -1}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"n": 3}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
 ])
 def test_invalid_values_400_naming_the_param(server, extra, param):

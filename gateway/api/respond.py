@@ -33,7 +33,7 @@ async def respond(
     state = request.app.state
     max_tokens = completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param)
     gen_request = generation_request(fmt.id, prompt_ids, body, max_tokens, principal.tenant,
-                                     principal.user_label, state.settings.request_timeout_s)
+                                     principal.user_label, state.settings.request_timeout_s, fmt.num_top_logprobs)
     ctx = RequestContext(
         request_id=fmt.id,
         endpoint=prompt_param == "messages" and "chat" or "completions",
@@ -56,8 +56,8 @@ async def respond(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response: Response = SSEResponse(sse_events(stream, fmt, include_usage))
         else:
-            text, finished = await collect(stream, request)
-            response = JSONResponse(fmt.complete(text, finished))
+            text, finished, logprobs = await collect(stream, request)
+            response = JSONResponse(fmt.complete(text, finished, logprobs))
     except BaseException as exc:
         if ticket is not None:
             admission.release(ticket.request_id)  # no-op when an observer already saw the outcome

@@ -69,14 +69,14 @@ class ChatCompletionRequest(BaseCompletionRequest):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true
 
 
 class CompletionRequest(BaseCompletionRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's legacy default
-    logprobs: Any = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -91,6 +91,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    """One token of chat ``logprobs`` (see :mod:`gateway.logprobs` for token/bytes)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat ``choices[i].logprobs``: one entry per completion token."""
+
+    content: list[TokenLogprobEntry] | None = None
+    refusal: list[TokenLogprobEntry] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy ``/v1/completions`` ``choices[i].logprobs``."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -100,7 +128,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str
 
 
@@ -118,7 +146,7 @@ class ChatCompletion(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict  # {"role": "assistant", "content": ""} first, then {"content": "..."}, last {}
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -136,7 +164,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

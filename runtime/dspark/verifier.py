@@ -190,6 +190,10 @@ class RoundResult:
             (anchor + accepted drafts of each request) whose taps are the new
             drafter context; pass ``taps[commit_rows]`` with ``commit_counts``.
         commit_counts: ``a_r + 1`` per request.
+        token_rows: per request, the verification row (index into
+            ``target_logits``) whose target distribution produced each emitted
+            token: ``t_off[r] + k`` for its k-th token (k = 0 is the anchor's row).
+            The same rows as ``commit_rows``; the engine reads logprobs there.
     """
 
     verify: VerifyResult
@@ -197,6 +201,7 @@ class RoundResult:
     keep_target: list[int]
     commit_rows: torch.Tensor
     commit_counts: list[int]
+    token_rows: list[list[int]]
 
 
 def spec_round(
@@ -257,11 +262,12 @@ def spec_round(
     acc = res.accepted.cpu()
     t_off = torch.cumsum(rep, 0) - rep
     counts = (acc + 1).tolist()
-    commit_rows = torch.cat([torch.arange(o, o + c) for o, c in zip(t_off.tolist(), counts)])
+    token_rows = [list(range(o, o + c)) for o, c in zip(t_off.tolist(), counts)]
     return RoundResult(
         verify=res,
         tokens=res.tokens(),
         keep_target=[p + c for p, c in zip(starts, counts)],
-        commit_rows=commit_rows,
+        commit_rows=torch.tensor([r for rows in token_rows for r in rows], dtype=torch.long),
         commit_counts=counts,
+        token_rows=token_rows,
     )

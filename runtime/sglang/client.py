@@ -496,7 +496,9 @@ class SGLangBackend:
         eos = self.config.eos_token_id
         if eos is None:
             eos = getattr(self._tokenizer, "eos_token_id", None)
-        return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0))
+        # logprobs are not mapped from SGLang's return_logprob meta yet: the gateway answers 400
+        return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
+                           supports_logprobs=False)
 
     # -- tokenization (gateway side) ----------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
@@ -505,6 +507,11 @@ class SGLangBackend:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        from runtime.detokenizer import token_bytes
+
+        return token_bytes(self._tokenizer, token_ids)
 
     # -- load -----------------------------------------------------------------------
     def load(self) -> LoadSnapshot:

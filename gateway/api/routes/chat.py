@@ -11,8 +11,9 @@ from gateway.api.deps import CurrentPrincipal, chat_body, get_backend
 from gateway.api.respond import respond
 from gateway.errors import invalid_request
 from gateway.formatters import ChatFormatter
+from gateway.logprobs import LogprobsBuilder
 from gateway.schemas.openai import ChatCompletionRequest
-from gateway.translate import reject_unsupported_chat, resolve_model, template_messages
+from gateway.translate import reject_unsupported_chat, requested_logprobs, resolve_model, template_messages
 from runtime.interface import Backend
 
 router = APIRouter()
@@ -26,11 +27,13 @@ async def create_chat_completion(
     backend: Annotated[Backend, Depends(get_backend)],
 ) -> Response:
     reject_unsupported_chat(body)
+    num_top = requested_logprobs(body, backend.info)
     model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
     messages = template_messages(body.messages)
     try:
         prompt_ids = backend.apply_chat_template(messages)
     except ValueError as exc:
         raise invalid_request(f"Invalid messages: {exc}", "messages") from None
-    fmt = ChatFormatter(model, len(prompt_ids), bool(body.return_spec_stats))
+    logprobs = LogprobsBuilder(backend.token_bytes, num_top) if num_top is not None else None
+    fmt = ChatFormatter(model, len(prompt_ids), bool(body.return_spec_stats), logprobs)
     return await respond(request, backend, principal, body, prompt_ids, fmt, "messages")

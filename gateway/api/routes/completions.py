@@ -10,8 +10,9 @@ from fastapi.responses import Response
 from gateway.api.deps import CurrentPrincipal, completion_body, get_backend
 from gateway.api.respond import respond
 from gateway.formatters import CompletionFormatter
+from gateway.logprobs import LogprobsBuilder
 from gateway.schemas.openai import CompletionRequest
-from gateway.translate import completion_prompt, reject_unsupported_completion, resolve_model
+from gateway.translate import completion_prompt, reject_unsupported_completion, requested_logprobs, resolve_model
 from runtime.interface import Backend
 
 router = APIRouter()
@@ -25,7 +26,9 @@ async def create_completion(
     backend: Annotated[Backend, Depends(get_backend)],
 ) -> Response:
     reject_unsupported_completion(body)
+    num_top = requested_logprobs(body, backend.info)
     model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
     prompt_ids = backend.encode(completion_prompt(body))
-    fmt = CompletionFormatter(model, len(prompt_ids), bool(body.return_spec_stats))
+    logprobs = LogprobsBuilder(backend.token_bytes, num_top) if num_top is not None else None
+    fmt = CompletionFormatter(model, len(prompt_ids), bool(body.return_spec_stats), logprobs)
     return await respond(request, backend, principal, body, prompt_ids, fmt, "prompt")

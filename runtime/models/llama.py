@@ -202,8 +202,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, spans, slot_idx, positions, masks) -> torch.Tensor:
-        """``x``: the fp32 residual stream ``[T, d]``; sublayers run in the weights' dtype."""
-        dt = self.mlp.down_proj.weight.dtype
+        """``x``: the fp32 residual stream ``[T, d]``; sublayers run in the model dtype (that
+        of the norms: int8-weight layers keep fp32 activations, ``runtime.models.quant``)."""
+        dt = self.input_layernorm.weight.dtype
         x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, cache, spans, slot_idx, positions, masks).float()
         return x + self.mlp(self.post_attention_layernorm(x).to(dt)).float()
 
@@ -240,6 +241,7 @@ class LlamaModel(nn.Module):
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.lm_head_int8 = None  # an Int8Linear copy of the head (runtime.models.quant), if quantised
 
     @property
     def dtype(self) -> torch.dtype:
@@ -251,6 +253,8 @@ class LlamaModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden ``[R, d]`` → fp32 logits ``[R, vocab]``."""
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @staticmethod
@@ -350,8 +354,14 @@ def _fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[s
 def load_llama(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
     """Load a transformers-format Llama dir (``config.json`` + ``model.safetensors``).
 
-    Takes ~0.2 s for the 135M model from the safetensors cache.
+    ``dtype=torch.int8``: weight-only int8 decoder projections and LM head over fp32
+    activations (:func:`runtime.models.quant.quantize_llama_`; changes the outputs).
+    Takes ~0.2 s for the 135M model from the safetensors cache (int8: ~1 s more).
     """
+    if dtype == torch.int8:
+        from runtime.models.quant import quantize_llama_
+
+        return quantize_llama_(load_llama(model_dir, torch.float32))
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)

@@ -3,7 +3,7 @@
 Request-level series are fed by :class:`MetricsObserver` (a :mod:`gateway.observe`
 observer: every submitted request's outcome arrives exactly once) and carry the labels
 ``tenant`` and ``tier``. Engine state (running/waiting requests, engine step counters,
-speculation config, SPS table) is read from ``backend.load()`` / ``backend.spec_info()``
+prefix-cache queries/hits in tokens, speculation config, SPS table) is read from ``backend.load()`` / ``backend.spec_info()``
 at scrape time by :class:`EngineCollector`. Everything lives in prometheus-client's
 default registry, exported by ``GET /metrics`` (see :func:`install`).
 
@@ -229,6 +229,10 @@ class StateCollector:
                                   "Forwards that verified >= 1 decoding request (rounds).", load.decode_steps)
         yield CounterMetricFamily("sparkgate:engine_verify_tokens",
                                   "Tokens verified over those rounds: sum of B = sum_r (1 + l_r).", load.verify_tokens)
+        yield CounterMetricFamily("sparkgate:prefix_cache_queries",
+                                  "Prefix cache queries, in prompt tokens looked up.", load.prefix_cache_queries)
+        yield CounterMetricFamily("sparkgate:prefix_cache_hits",
+                                  "Prefix cache hits, in prompt tokens whose KV was reused.", load.prefix_cache_hits)
         info = GaugeMetricFamily("sparkgate:spec_decode_config_info", "Speculation method, budget policy and gamma.",
                                  labels=("method", "policy", "num_speculative_tokens"))
         info.add_metric((spec.method, spec.policy or NONE, str(spec.block_size)), 1)

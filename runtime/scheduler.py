@@ -6,6 +6,11 @@ under speculative decoding) and (b) prefill chunks of sequences still reading
 their prompt, up to a token budget. Decodes go first so running streams keep
 flowing while a long prompt is prefilled chunk by chunk.
 
+With a :class:`runtime.prefix_cache.PrefixCache` attached (:attr:`BatchScheduler.prefix_cache`),
+admission first restores the longest cached prefix of the prompt into the new slot
+(prefill then starts after it), and a sequence's full blocks are stored when its
+prompt is prefilled (:meth:`BatchScheduler.cache_prefix`) and when it leaves.
+
 (The DSpark *verification-budget* scheduler, paper Alg. 1, is a different thing:
 ``runtime/dspark/scheduler.py`` decides how many draft tokens each decode
 sequence verifies inside (a).)
@@ -17,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.kv_cache import KVCache
+from runtime.prefix_cache import PrefixCache
 from runtime.sequence import Sequence, SeqStatus
 
 
@@ -45,12 +51,17 @@ class BatchScheduler:
         prefill_chunk_tokens: max prompt tokens of one sequence per step.
         decode_tokens_per_seq: tokens a decoding sequence may need (1 + γ when
             speculating) — reserved in the budget before prefill chunks.
+        prefix_cache: automatic prefix caching over ``cache`` (and the drafter's
+            context cache); ``None`` → off.
     """
 
-    def __init__(self, cache: KVCache, max_step_tokens: int, prefill_chunk_tokens: int) -> None:
+    def __init__(
+        self, cache: KVCache, max_step_tokens: int, prefill_chunk_tokens: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.cache = cache
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -66,8 +77,10 @@ class BatchScheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished/aborted/failed) and free its KV slot."""
+        """Drop a sequence (finished/aborted/failed) and free its KV slot
+        (its valid full blocks go to the prefix cache first)."""
         if seq.slot >= 0:
+            self.cache_prefix(seq)
             self.cache.free(seq.slot)
             seq.slot = -1
         if seq in self.running:
@@ -81,6 +94,8 @@ class BatchScheduler:
         while self.waiting and self.cache.num_free > 0:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
+            if self.prefix_cache is not None:
+                seq.num_cached = self.prefix_cache.restore(seq.slot, seq.token_ids[: seq.num_prompt])
             seq.status = SeqStatus.PREFILL
             self.running.append(seq)
         plan = StepPlan()
@@ -96,3 +111,8 @@ class BatchScheduler:
                     plan.prefill.append((seq, n))
                     budget -= n
         return plan
+
+    def cache_prefix(self, seq: Sequence) -> None:
+        """Store ``seq``'s full blocks (prompt, and completion so far) in the prefix cache."""
+        if self.prefix_cache is not None and seq.slot >= 0:
+            self.prefix_cache.insert(seq.slot, seq.token_ids)

@@ -135,9 +135,21 @@ class Speculator:
         """Target layers whose hidden states the drafter needs from every forward."""
         return self.drafter.tap_layers if self.drafter is not None else []
 
-    def start_sequence(self, slot: int) -> None:
-        if self.dcache is not None:
+    def start_sequence(self, slot: int, num_restored: int = 0) -> None:
+        """A sequence starts prefilling in ``slot``. Its first ``num_restored`` positions
+        came from the prefix cache (:mod:`runtime.prefix_cache`), which restores the
+        draft context of those positions together with the target KV.
+
+        Raises:
+            RuntimeError: the draft context does not hold exactly ``num_restored`` positions.
+        """
+        if self.dcache is None:
+            return
+        if num_restored == 0:
             self.dcache.reset(slot)
+        elif self.dcache.lengths[slot] != num_restored:
+            raise RuntimeError(f"slot {slot}: draft context has {self.dcache.lengths[slot]} positions, "
+                               f"the target {num_restored} restored")
 
     def extend_context(self, taps: torch.Tensor | None, slots: Seq[int], counts: Seq[int]) -> None:
         """Commit target taps ``[Σ counts, m, d]`` of newly cached positions."""

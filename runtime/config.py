@@ -14,8 +14,12 @@ class EngineConfig:
     """Knobs of the embedded engine.
 
     Attributes:
-        dtype: serving dtype of the target model, ``"bfloat16"`` (default, ~2× faster
-            on these CPUs) or ``"float32"`` (bit-stable tests).
+        dtype: serving dtype of the target model: ``"auto"`` (default,
+            :func:`resolve_dtype`: bf16 where the CPU has native bf16 matmuls, else
+            fp32), ``"bfloat16"``, ``"float32"`` (bit-stable tests) or ``"int8"``
+            (opt-in weight-only int8 linears over fp32 activations,
+            ``runtime.models.quant``: faster at batch ≤ 16 on AVX2 CPUs but it changes
+            the target — top-1 agreement vs fp32 in ``docs/benchmarks.md``).
         max_batch_size: max concurrently running sequences (= KV-cache slots).
         max_context: tokens per sequence (prompt + completion); KV slots are this long.
         max_waiting: bounded waiting queue; beyond it ``QueueFullError`` (HTTP 503).
@@ -40,9 +44,14 @@ class EngineConfig:
             start-up (bounded: ~10–20 s on the 2-core CPU, see
             ``runtime.dspark.profile_engine``) and cache it. ``False`` (default; tests)
             never profiles: cached profile or fallback table.
+        prefix_cache_blocks: capacity of the automatic prefix cache
+            (:mod:`runtime.prefix_cache`) in blocks of ``prefix_block_size`` tokens;
+            0 disables it. Default 256 × 16 = 4096 tokens ≈ 180 MiB in fp32 (90 MiB in
+            bf16) of target KV, plus the drafter's context K/V when speculating.
+        prefix_block_size: tokens per prefix-cache block (reuse is block-granular).
     """
 
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_batch_size: int = 16
     max_context: int = 2048
     max_waiting: int = 256
@@ -57,3 +66,35 @@ class EngineConfig:
     seed: int = 0
     sps_table_path: str | None = None
     profile_on_start: bool = False
+    prefix_cache_blocks: int = 256
+    prefix_block_size: int = 16
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 ``avx512_bf16`` or ``amx_bf16``
+    flags in ``/proc/cpuinfo``; aarch64 ``bf16``). ``cpuinfo``: the file's text (tests).
+
+    Measured on two 2-core machines of this project (``docs/benchmarks.md``): with
+    AVX512-BF16 a bf16 decode step is ~2× faster than fp32; on an AVX2-only AMD EPYC a
+    batch-16 step takes 732 ms in bf16 vs 271 ms in fp32 (1 thread) — oneDNN then
+    converts bf16 to fp32 in software.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[-1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return False
+
+
+def resolve_dtype(name: str) -> str:
+    """``"auto"`` → ``"bfloat16"`` if :func:`cpu_has_native_bf16`, else ``"float32"``;
+    any other name is returned unchanged (validated by the engine)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if cpu_has_native_bf16() else "float32"

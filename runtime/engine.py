@@ -7,6 +7,10 @@ worker thread so the HTTP event loop never blocks.
 One step = ONE target forward (counted in :attr:`LLMEngine.forward_steps`) over
 every decoding sequence's anchor token (plus verified draft tokens when
 speculating) and the prefill chunks the batch scheduler picked.
+
+Logprobs (requests with ``SamplingParams.logprobs`` set) come from the same
+forward: the raw target logits of the row that produced each emitted token
+(:mod:`runtime.logprobs`), one batched ``log_softmax`` over just those rows.
 """
 
 from __future__ import annotations
@@ -26,19 +30,24 @@ from runtime.interface import (
     Finished,
     FinishReason,
     GenerationRequest,
+    MAX_TOP_LOGPROBS,
     TextDelta,
+    TokenLogprob,
 )
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import MODEL_NAME, ensure_converted
 from runtime.dspark.verifier import spec_round
+from runtime.logprobs import token_logprobs
 from runtime.sampler import params_to_tensors, sample, warp_probs
+from runtime.prefix_cache import engine_prefix_cache
 from runtime.scheduler import BatchScheduler, StepPlan
 from runtime.sequence import Sequence, SeqStatus
 from runtime.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "int8": torch.int8}  # opt-in weight-only int8 linears over fp32 activations (runtime.models.quant)
 
 EmitFn = Callable[[str, Event], None]
 
@@ -82,6 +91,8 @@ class LLMEngine:
         self.speculator = (
             Speculator(config, self.model, config.max_batch_size, self.cache.max_len) if config.spec_method != "none" else None
         )
+        # Automatic prefix caching (runtime/prefix_cache.py); None when disabled.
+        self.prefix_cache = self.scheduler.prefix_cache = engine_prefix_cache(config, self.cache, self.speculator)
         if self.speculator is not None and config.profile_on_start:
             from runtime.dspark.profile_engine import ensure_profiled
 
@@ -97,6 +108,10 @@ class LLMEngine:
         n = len(req.prompt_token_ids)
         if n == 0 or n >= self.config.max_context:
             self.emit(req.request_id, Failed(f"prompt has {n} tokens; need 1..{self.config.max_context - 1}", "invalid_prompt"))
+            return
+        lp = req.sampling.logprobs
+        if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+            self.emit(req.request_id, Failed(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {lp}", "invalid_request"))
             return
         room = self.config.max_context - n
         max_tokens = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
@@ -165,7 +180,7 @@ class LLMEngine:
             if seq.timings.started is None:
                 seq.timings.started = time.monotonic()
                 if spec is not None:
-                    spec.start_sequence(seq.slot)
+                    spec.start_sequence(seq.slot, seq.num_cached)  # > 0: prefix-cache hit
             spans.append(SeqSpan(seq.slot, seq.num_cached, n))
             ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
             if n == seq.prompt_remaining:
@@ -185,6 +200,8 @@ class LLMEngine:
                 [s.slot for s, _ in plan.prefill],
                 [n for _, n in plan.prefill],
             )
+        for seq in prefill_done:  # its prompt's blocks serve later requests (prefix cache)
+            self.scheduler.cache_prefix(seq)
         if plan.decode:
             self.decode_steps += 1
             self.verify_tokens += num_verify_rows
@@ -193,9 +210,10 @@ class LLMEngine:
             logits = out.logits[num_verify_rows:]
             temp, top_k, top_p = params_to_tensors([s.request.sampling for s in prefill_done])
             tokens = sample(warp_probs(logits, temp, top_k, top_p), [s.generator for s in prefill_done]).tolist()
-            for seq, tok in zip(prefill_done, tokens):
+            lps = self._logprobs(logits, prefill_done, [[t] for t in tokens], [[i] for i in range(len(tokens))])
+            for seq, tok, lp in zip(prefill_done, tokens, lps):
                 seq.status = SeqStatus.DECODE
-                self._append_tokens(seq, [tok])
+                self._append_tokens(seq, [tok], logprobs=lp)
 
     def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int) -> None:
         """Accept/reject drafts (standard speculative sampling), commit caches, emit."""
@@ -216,12 +234,32 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.commit(seqs, out.taps[:num_rows] if out.taps is not None else None, res.commit_rows, res.commit_counts)
         accepted = res.verify.accepted.tolist()
-        for i, (seq, ell, acc, toks) in enumerate(zip(seqs, lengths, accepted, res.tokens)):
+        lps = self._logprobs(out.logits[:num_rows], seqs, res.tokens, res.token_rows)
+        for i, (seq, ell, acc, toks, lp) in enumerate(zip(seqs, lengths, accepted, res.tokens, lps)):
             count = None
             if proposal is not None:
                 def count(kept, seq=seq, drafted=proposal.drafted[i], ell=ell, acc=acc):
                     self._count_spec(seq, drafted, ell, min(acc, kept), kept)
-            self._append_tokens(seq, toks, count)
+            self._append_tokens(seq, toks, count, lp)
+
+    def _logprobs(
+        self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]], rows: list[list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """Target logprobs of ``tokens[i]`` (produced by ``logits[rows[i]]``) for the
+        sequences that asked; ``None`` for the others. One batched call, only their rows."""
+        want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        flat_rows = [r for i in want for r in rows[i]]
+        num_top = [seqs[i].request.sampling.logprobs for i in want for _ in rows[i]]
+        entries = token_logprobs(logits[flat_rows], [t for i in want for t in tokens[i]], num_top)
+        start = 0
+        for i in want:
+            n = len(rows[i])
+            out[i] = entries[start : start + n]
+            start += n
+        return out
 
     def _count_spec(self, seq: Sequence, drafted: int, verified: int, accepted: int, emitted: int) -> None:
         """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted."""
@@ -237,11 +275,14 @@ class LLMEngine:
             st.accepted_per_position[j] += 1
 
     # -- postprocess --------------------------------------------------------
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], on_kept=None) -> int:
+    def _append_tokens(
+        self, seq: Sequence, new_tokens: list[int], on_kept=None, logprobs: list[TokenLogprob] | None = None
+    ) -> int:
         """Feed accepted tokens through stop/EOS/max_tokens checks; emit; return #kept.
 
         ``on_kept(kept)`` runs before anything is emitted, so per-request stats it
         updates are complete in the :class:`Finished` event of a request ending here.
+        ``logprobs`` (aligned with ``new_tokens``) are cut to the kept tokens too.
         """
         res = seq.detok.append(new_tokens)
         kept = res.num_tokens_kept
@@ -255,7 +296,8 @@ class LLMEngine:
             seq.num_completion += kept
             seq.token_ids.extend(res.token_ids_kept)
         if res.text or kept:
-            self.emit(seq.request_id, TextDelta(res.text, kept, list(res.token_ids_kept)))
+            lp = logprobs[:kept] if logprobs is not None else None
+            self.emit(seq.request_id, TextDelta(res.text, kept, list(res.token_ids_kept), lp))
         if res.finish_reason is not None:
             self._finish(seq, res.finish_reason)
         return kept

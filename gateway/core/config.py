@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     metrics_max_tenants: int = 20
     database_url: str = Field(default_factory=default_database_url)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # runtime.config.resolve_dtype: bf16 on CPUs with native bf16, else fp32
     max_batch_size: int = 16
     max_context: int = 2048
     max_waiting: int = 256

@@ -32,6 +32,8 @@ def _add_regen(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="target dtype; auto: bf16 on CPUs with native bf16 matmuls, else fp32 (recorded per shard)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster than 2 on a contended "
                    "2-core box: no OpenMP spin-waits)")
     p.add_argument("--no-progress", action="store_true")
@@ -49,13 +51,14 @@ def _stop_on_sigterm() -> None:
 
 
 def _run_regen(a) -> int:
+    from runtime.config import resolve_dtype
     from runtime.dspark.data import RegenConfig, regenerate, summarize
 
     _stop_on_sigterm()
 
     cfg = RegenConfig(
         num_prompts=a.num_prompts, seed=a.seed, temperature=a.temperature, top_p=a.top_p,
-        max_new_tokens=a.max_new_tokens, max_batch_size=a.max_batch_size,
+        max_new_tokens=a.max_new_tokens, max_batch_size=a.max_batch_size, dtype=resolve_dtype(a.dtype),
     )  # fmt: skip
     st = regenerate(cfg, a.out, shard_size=a.shard_size, limit=a.limit, num_threads=a.threads,
                     progress=not a.no_progress)

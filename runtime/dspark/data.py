@@ -129,8 +129,9 @@ class Sample:
     heldout: bool
 
 
-def write_shard(out_dir: Path, index: int, samples: list[Sample]) -> Path:
-    """Atomically write ``shards/shard-{index:05d}.npz`` (format: module docstring)."""
+def write_shard(out_dir: Path, index: int, samples: list[Sample], dtype: str = "bfloat16") -> Path:
+    """Atomically write ``shards/shard-{index:05d}.npz`` (format: module docstring);
+    ``dtype``: the target dtype that generated it (stored as a 0-d str array)."""
     shard_dir = Path(out_dir) / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     lens = [len(s.tokens) for s in samples]
@@ -142,6 +143,7 @@ def write_shard(out_dir: Path, index: int, samples: list[Sample]) -> Path:
         categories=np.array([s.category for s in samples], dtype=str),
         finish=np.array([s.finish for s in samples], dtype=str),
         heldout=np.array([s.heldout for s in samples], dtype=bool),
+        dtype=np.array(dtype),
     )
     path = shard_dir / f"shard-{index:05d}.npz"
     tmp = shard_dir / f".tmp-{index:05d}-{os.getpid()}.npz"
@@ -216,6 +218,17 @@ def load_data(out_dir: str | Path = DEFAULT_OUT) -> DrafterData:
     )  # fmt: skip
 
 
+def shard_dtypes(out_dir: str | Path) -> dict[str, int]:
+    """Sequences per generating target dtype (shards written before the field existed
+    were all bf16)."""
+    out: dict[str, int] = {}
+    for p in shard_paths(out_dir):
+        z = np.load(p)
+        dt = str(z["dtype"]) if "dtype" in z.files else "bfloat16"
+        out[dt] = out.get(dt, 0) + len(z["ids"])
+    return out
+
+
 def done_ids(out_dir: str | Path) -> set[str]:
     """Ids already present in the shards of ``out_dir``."""
     out: set[str] = set()
@@ -238,7 +251,11 @@ class RegenConfig:
             but without greedy's repetition loops dominating the data).
         max_new_tokens: response cap.
         max_prompt_tokens: longer templated prompts are skipped (recorded as such).
-        dtype: target dtype (bf16, as served).
+        dtype: target dtype (the serving dtype of the machine that generates: bf16 where
+            the CPU has native bf16 matmuls, fp32 on AVX2-only CPUs, where bf16 is 3–5×
+            slower). It may change between resumed runs (greedy bf16 and fp32 outputs
+            differ only at near-ties; the loss uses the full p_t anyway); every shard
+            records its own (``dtype``).
         max_batch_size: engine slots (continuous batching).
     """
 
@@ -259,6 +276,7 @@ class RegenConfig:
         d = asdict(self)
         d.pop("num_prompts")  # extending the run is allowed: the order is prefix-stable
         d.pop("max_batch_size")
+        d.pop("dtype")  # recorded per shard
         return d
 
 
@@ -315,6 +333,7 @@ def summarize(out_dir: str | Path) -> dict:
         "finish_length": int((d.finish == "length").sum()),
         "by_category": {c: int((d.categories == c).sum()) for c in CATEGORIES},
         "shards": len(shard_paths(out_dir)),
+        "by_dtype": shard_dtypes(out_dir),
     }
     return out
 
@@ -422,7 +441,7 @@ def regenerate(
     def flush() -> None:
         nonlocal next_shard, pending
         if pending:
-            write_shard(out_dir, next_shard, pending)
+            write_shard(out_dir, next_shard, pending, cfg.dtype)
             next_shard += 1
             pending = []
             _write_manifest(out_dir, cfg, {"summary": summarize(out_dir)})

@@ -1,0 +1,38 @@
+"""``dtype="auto"``: bf16 only where the CPU multiplies bf16 natively (runtime.config)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+from runtime import config
+from runtime.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
+
+EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu vme sse2 ssse3 fma avx avx2 bmi2 sha_ni\n"
+XEON_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16\n"
+SAPPHIRE = "flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
+GRAVITON = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize("text,native", [(EPYC_AVX2, False), (XEON_BF16, True), (SAPPHIRE, True),
+                                         (GRAVITON, True), ("", False), ("flags: avx512f avx512bw\n", False)])
+def test_cpu_bf16_detection_from_cpuinfo(text, native):
+    assert cpu_has_native_bf16(text) is native
+
+
+def test_auto_resolves_by_cpu_and_explicit_names_pass_through():
+    assert EngineConfig().dtype == "auto"
+    with mock.patch.object(config, "cpu_has_native_bf16", return_value=False):
+        assert resolve_dtype("auto") == "float32"
+    with mock.patch.object(config, "cpu_has_native_bf16", return_value=True):
+        assert resolve_dtype("auto") == "bfloat16"
+    assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32") == "float32"
+    assert resolve_dtype("int3") == "int3"  # validated (rejected) by the engine
+
+
+def test_engine_rejects_an_unknown_dtype():
+    from runtime.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        LLMEngine(EngineConfig(dtype="int3"), lambda rid, ev: None, model=object(), tokenizer=object())

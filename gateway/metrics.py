@@ -3,8 +3,8 @@
 Request-level series are fed by :class:`MetricsObserver` (a :mod:`gateway.observe`
 observer: every submitted request's outcome arrives exactly once) and carry the labels
 ``tenant`` and ``tier``. Engine state (running/waiting requests, engine step counters,
-prefix-cache queries/hits in tokens, speculation config, SPS table) is read from ``backend.load()`` / ``backend.spec_info()``
-at scrape time by :class:`EngineCollector`. Everything lives in prometheus-client's
+prefix-cache queries/hits in tokens, speculation config, SPS table) is read from
+``backend.load()`` / ``backend.spec_info()`` at scrape time by :class:`EngineCollector`. Everything lives in prometheus-client's
 default registry, exported by ``GET /metrics`` (see :func:`install`).
 
 Latency definitions (all seconds, gateway clock ``time.monotonic()``):

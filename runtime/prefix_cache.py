@@ -87,16 +87,15 @@ class PrefixCache:
 
     def __init__(self, stores: Sequence[SlotStore], num_blocks: int, block_size: int = 16) -> None:
         if num_blocks < 1 or block_size < 1 or not stores:
-            raise ValueError(f"need num_blocks ≥ 1, block_size ≥ 1 and stores; got {num_blocks}, {block_size}, {len(stores)}")
+            raise ValueError(f"need num_blocks ≥ 1, block_size ≥ 1 and ≥ 1 store; "
+                             f"got {num_blocks}, {block_size}, {len(stores)}")
         self.stores = list(stores)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # torch.empty: pages are only touched (resident) once a block is written.
         self._pools = [
-            tuple(
-                torch.empty((t.shape[0], num_blocks, t.shape[2], block_size, t.shape[4]), dtype=t.dtype, device=t.device)
-                for t in (s.k, s.v)
-            )
+            tuple(torch.empty((t.shape[0], num_blocks, t.shape[2], block_size, t.shape[4]), dtype=t.dtype,
+                              device=t.device) for t in (s.k, s.v))
             for s in self.stores
         ]
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # block key → pool index, least recent first

@@ -1,7 +1,8 @@
 """Shared fixtures/helpers for ``tests/test_gateway_*.py``.
 
-Import the fixtures you use into the test module (``from tests.gateway_fixtures import
-app, client, ...``); no conftest needed. Every test gets a fresh SQLite database
+Registered once as a pytest plugin (``pytest_plugins`` in ``tests/conftest.py``), so the
+fixtures are available in every test module; import only the helpers (``chat``,
+``make_settings``, ...). Every test gets a fresh SQLite database
 copied from one migrated template, a :class:`tests.fakes.FakeBackend`, the app with
 its lifespan running, an ``httpx.AsyncClient`` over ``ASGITransport`` and a key.
 """

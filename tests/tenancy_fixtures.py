@@ -23,7 +23,7 @@ from gateway.db.migrate import upgrade
 from gateway.db.session import make_engine
 from gateway.main import create_app
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import make_settings, migrated_template, sqlite_url  # noqa: F401
+from tests.gateway_fixtures import make_settings, sqlite_url
 
 PG = "postgresql+asyncpg://postgres@127.0.0.1:5432/"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

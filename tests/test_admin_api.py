@@ -8,10 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
-from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, admin_setup, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
-)
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
 
 A = ADMIN_HEADERS
 

@@ -21,10 +21,8 @@ import pytest
 
 from gateway import admin_ui
 from tests.conftest import require_or_skip
-from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
-from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, admin_setup, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
-)
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
 
 A = ADMIN_HEADERS
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,18 +15,7 @@ from gateway.db.models import ApiKey
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.main import create_app
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import (  # noqa: F401  (fixtures)
-    api_key,
-    app,
-    auth,
-    backend,
-    chat,
-    client,
-    db_url,
-    make_settings,
-    migrated_template,
-    settings,
-)
+from tests.gateway_fixtures import chat, make_settings
 
 
 async def db_session(url: str):

@@ -11,19 +11,7 @@ import time
 import pytest
 
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import (  # noqa: F401  (fixtures)
-    MODEL,
-    api_key,
-    app,
-    auth,
-    backend,
-    chat,
-    client,
-    db_url,
-    migrated_template,
-    parse_sse,
-    settings,
-)
+from tests.gateway_fixtures import MODEL, chat, parse_sse
 
 URL = "/v1/chat/completions"
 

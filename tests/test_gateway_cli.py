@@ -11,7 +11,7 @@ from gateway import cli
 from gateway.db import migrate
 from gateway.main import create_app
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import MODEL, chat, db_url, make_settings, migrated_template, sqlite_url  # noqa: F401
+from tests.gateway_fixtures import MODEL, chat, make_settings, sqlite_url
 
 
 def http(url: str, key: str, method: str = "POST", path: str = "/v1/chat/completions", **kw):

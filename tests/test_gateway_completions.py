@@ -4,18 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gateway_fixtures import (  # noqa: F401  (fixtures)
-    MODEL,
-    api_key,
-    app,
-    auth,
-    backend,
-    client,
-    db_url,
-    migrated_template,
-    parse_sse,
-    settings,
-)
+from tests.gateway_fixtures import MODEL, parse_sse
 
 URL = "/v1/completions"
 

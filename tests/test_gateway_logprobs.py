@@ -16,19 +16,7 @@ from gateway.logprobs import LogprobsBuilder
 from gateway.main import create_app
 from runtime.interface import BackendInfo, TokenLogprob
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import (  # noqa: F401  (fixtures)
-    MODEL,
-    api_key,
-    app,
-    auth,
-    backend,
-    chat,
-    client,
-    db_url,
-    migrated_template,
-    parse_sse,
-    settings,
-)
+from tests.gateway_fixtures import MODEL, chat, parse_sse
 
 CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
 ENTRY_KEYS = {"token", "logprob", "bytes", "top_logprobs"}

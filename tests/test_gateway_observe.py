@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.gateway_fixtures import api_key, app, auth, backend, chat, client, db_url, migrated_template, settings  # noqa: F401
+from tests.gateway_fixtures import chat
 
 
 class Recorder:

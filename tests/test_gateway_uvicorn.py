@@ -15,7 +15,7 @@ import uvicorn
 
 from gateway.main import create_app
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import MODEL, db_url, make_settings, migrated_template  # noqa: F401
+from tests.gateway_fixtures import MODEL, make_settings
 from gateway.crud.keys import issue_key
 
 

@@ -7,18 +7,7 @@ import pytest
 from fastapi import FastAPI
 
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import (  # noqa: F401  (fixtures)
-    MODEL,
-    api_key,
-    app,
-    auth,
-    backend,
-    chat,
-    client,
-    db_url,
-    migrated_template,
-    settings,
-)
+from tests.gateway_fixtures import MODEL, chat
 
 URL = "/v1/chat/completions"
 

@@ -15,7 +15,7 @@ from gateway.crud.keys import issue_key
 from gateway.main import create_app
 from tests.conftest import require_or_skip
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import MODEL, chat, make_settings, migrated_template, sqlite_url  # noqa: F401
+from tests.gateway_fixtures import MODEL, chat, make_settings, sqlite_url
 from tests.hardening_util import assert_openai_error_shape, serve_in_thread
 
 try:

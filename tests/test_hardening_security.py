@@ -20,7 +20,7 @@ from starlette.routing import Mount, Route
 from gateway.crud.keys import issue_key
 from gateway.main import create_app
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import chat, db_url, make_settings, migrated_template  # noqa: F401
+from tests.gateway_fixtures import chat, make_settings
 from tests.hardening_util import assert_openai_error_shape
 
 ADMIN = "adm-SECRET-" + "q" * 24

@@ -22,7 +22,7 @@ import pytest
 
 from gateway.crud.keys import issue_key
 from tests.conftest import ROOT
-from tests.gateway_fixtures import migrated_template, sqlite_url  # noqa: F401
+from tests.gateway_fixtures import sqlite_url
 
 SERVE = """
 import sys

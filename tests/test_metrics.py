@@ -26,8 +26,8 @@ from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED, RequestContex
 from runtime.dspark.sps import SpsTable
 from runtime.interface import Finished, FinishReason, RequestTimings, SpecInfo, SpecStats, TextDelta
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import api_key, app, auth, backend, chat, client, db_url, make_settings, migrated_template, settings  # noqa: F401
-from tests.tenancy_fixtures import admin_setup, new_key, pg_tenancy_url, tenancy_db  # noqa: F401
+from tests.gateway_fixtures import chat, make_settings
+from tests.tenancy_fixtures import admin_setup, new_key
 from tests.tenancy_fixtures import running_app as tenancy_app
 
 ADMIN = "admin-test-token"

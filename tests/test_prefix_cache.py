@@ -24,7 +24,7 @@ from runtime.models.llama import SeqSpan
 from runtime.prefix_cache import PrefixCache, block_hashes
 from runtime.sequence import SeqStatus
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import db_url, make_settings, migrated_template  # noqa: F401
+from tests.gateway_fixtures import make_settings
 
 B = 16  # block size used throughout
 SYSTEM = (

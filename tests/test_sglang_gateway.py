@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.main import create_app
 from runtime.sglang.client import SLA_MAX_WEIGHT_KEY, SLA_TARGET_KEY, SGLangBackend
-from tests.gateway_fixtures import MODEL, make_settings, migrated_template, parse_sse, sqlite_url  # noqa: F401
+from tests.gateway_fixtures import MODEL, make_settings, parse_sse, sqlite_url
 from tests.sglang_standin import EOS_ID, FIRST_TOKEN_ID, SGLangStandin, StandinServer, closed_port_url
 
 ADMIN = "admin-token-sglang-gateway"

@@ -12,7 +12,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.interface import Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
+from runtime.interface import FinishReason, GenerationRequest, SamplingParams, TextDelta
 
 pytestmark = pytest.mark.model
 

@@ -16,7 +16,6 @@ import pytest
 
 from runtime.async_engine import AsyncEngine
 from runtime.config import EngineConfig
-from tests.gateway_fixtures import migrated_template  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.model
 

@@ -16,10 +16,8 @@ from gateway.observe import RequestContext
 from runtime.dspark.sps import SpsTable
 from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
-from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
-)
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, running_app
 
 
 async def rows(app, **filters) -> list[RequestRecord]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway import cli
-from tests.gateway_fixtures import chat, db_url, migrated_template  # noqa: F401
+from tests.gateway_fixtures import chat
 from tests.test_gateway_cli import http
 
 

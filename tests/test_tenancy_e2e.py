@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from tests.fakes import FakeBackend
-from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
-from tests.tenancy_fixtures import (  # noqa: F401
-    ADMIN_HEADERS, admin_setup, bearer, new_key, pg_tenancy_url, redis_url, running_app, sqlite_db, tenancy_db,
-)
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
 
 A = ADMIN_HEADERS
 GOLD = {"min_tokens_per_s": 45, "max_concurrent": 2, "rpm": 120, "tpm": 50000, "priority": 10, "max_queue_wait_s": 5}

@@ -11,7 +11,6 @@ from gateway.errors import APIError
 from gateway.ratelimit import (
     REQUESTS, TOKENS, Limit, LocalBucketStore, RateLimiter, RedisBucketStore, format_reset,
 )
-from tests.tenancy_fixtures import redis_url  # noqa: F401
 
 
 def clocked():

@@ -16,10 +16,8 @@ from gateway.db.session import make_engine, make_sessionmaker
 from gateway.observe import FINISHED, RequestContext, RequestOutcome
 from gateway.records import RecordWriter, record_row
 from runtime.interface import RequestTimings, SpecStats
-from tests.gateway_fixtures import chat, migrated_template  # noqa: F401
-from tests.tenancy_fixtures import (  # noqa: F401
-    CountingBackend, bearer, new_key, pg_tenancy_url, running_app, sqlite_db, tenancy_db,
-)
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import CountingBackend, bearer, new_key, running_app
 
 
 def broken_sessionmaker(tmp_path):

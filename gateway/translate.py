@@ -166,6 +166,22 @@ def requested_max_tokens(body: BaseCompletionRequest) -> int | None:
     return getattr(body, "max_completion_tokens", None) or body.max_tokens
 
 
+def prefix_cache_salt(scope: str, tenant: str | None, request_salt: str | None) -> str | None:
+    """The runtime ``cache_salt`` (:func:`runtime.prefix_cache.chain_root`).
+
+    ``scope="tenant"`` (the default, ``SPARKGATE_PREFIX_CACHE_SCOPE``): cached prompt KV is
+    shared only inside a tenant, so no tenant can tell from its time to first token what
+    another tenant sent; ``"global"``: shared by everyone. A request's own ``cache_salt``
+    (vLLM extension) narrows the namespace further inside that scope.
+    """
+    parts = []
+    if scope == "tenant" and tenant is not None:
+        parts.append(f"tenant:{tenant}")
+    if request_salt:
+        parts.append(f"request:{request_salt}")
+    return "\x1f".join(parts) or None
+
+
 def generation_request(
     request_id: str,
     prompt_token_ids: list[int],
@@ -175,9 +191,11 @@ def generation_request(
     user_label: str | None,
     timeout_s: float | None,
     logprobs: int | None = None,
+    cache_scope: str = "tenant",
 ) -> GenerationRequest:
     """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
-    ``logprobs`` from :func:`requested_logprobs`."""
+    ``logprobs`` from :func:`requested_logprobs`; ``cache_salt`` from
+    :func:`prefix_cache_salt`."""
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -196,4 +214,5 @@ def generation_request(
         user=body.user or user_label,
         timeout_s=timeout_s,
         return_spec_stats=bool(body.return_spec_stats),
+        cache_salt=prefix_cache_salt(cache_scope, tenant, body.cache_salt),
     )

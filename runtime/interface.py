@@ -73,6 +73,8 @@ class GenerationRequest:
         priority: tier priority, larger = more important (admission/scheduling).
         timeout_s: per-request wall-clock limit; ``None`` → engine default.
         return_spec_stats: include :class:`SpecStats` in the API response.
+        cache_salt: prefix-cache namespace (vLLM ``cache_salt``): cached prompt KV is
+            shared only between requests with equal salts (``None`` = the shared one).
     """
 
     request_id: str
@@ -84,6 +86,7 @@ class GenerationRequest:
     priority: int = 0
     timeout_s: float | None = None
     return_spec_stats: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass

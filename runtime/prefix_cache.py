@@ -13,6 +13,10 @@ is keyed by a hash chain ``h_i = blake2b(h_{i−1} ‖ tokens of block i)`` (``h
 so a key names the *whole prefix* up to the block's end: equal keys ⇒ equal prefixes
 ⇒ equal KV (attention is causal; RoPE positions are the absolute ones, ``i·block_size``…).
 A 128-bit digest makes an accidental (or crafted) collision practically impossible.
+A request's ``cache_salt`` seeds the chain (``h_{−1} = blake2b(salt)``): requests share
+blocks only with requests of the same salt, so one tenant cannot learn from time to
+first token whether another tenant recently sent a prompt (the gateway salts by tenant,
+``SPARKGATE_PREFIX_CACHE_SCOPE``).
 
 Stores. The pool mirrors one or more slot stores with the layout
 ``k, v: [num_layers, num_slots, num_kv_heads, max_len, head_dim]`` and a per-slot
@@ -60,10 +64,23 @@ class SlotStore(Protocol):
     lengths: list[int]
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """Hash-chain keys of the first ``num_blocks`` full blocks of ``token_ids`` (16-byte digests)."""
+def chain_root(salt: str | None) -> bytes:
+    """The hash chain's starting value: ``b""`` without a salt, else the salt's digest.
+
+    Requests with different salts get disjoint keys, so they never share (or can time)
+    each other's cached prefixes — vLLM's ``cache_salt``; the gateway salts per tenant.
+    """
+    if not salt:
+        return b""
+    return hashlib.blake2b(b"salt:" + salt.encode(), digest_size=16).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int,
+                 salt: str | None = None) -> list[bytes]:
+    """Hash-chain keys of the first ``num_blocks`` full blocks of ``token_ids`` (16-byte
+    digests), in the namespace of ``salt`` (:func:`chain_root`)."""
     out: list[bytes] = []
-    parent = b""
+    parent = chain_root(salt)
     for i in range(num_blocks):
         tokens = array("I", token_ids[i * block_size : (i + 1) * block_size])
         parent = hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
@@ -122,16 +139,17 @@ class PrefixCache:
         return key in self._lru
 
     # -- restore -----------------------------------------------------------------
-    def restore(self, slot: int, prompt_ids: Sequence[int]) -> int:
+    def restore(self, slot: int, prompt_ids: Sequence[int], salt: str | None = None) -> int:
         """Copy the longest cached prefix of ``prompt_ids`` into ``slot``; return its length.
 
         Sets every store's ``lengths[slot]`` to the returned token count (a multiple of
-        ``block_size``, ``< len(prompt_ids)``; 0 on a miss) and counts the query.
+        ``block_size``, ``< len(prompt_ids)``; 0 on a miss) and counts the query. Only
+        blocks inserted with the same ``salt`` match.
         """
         B = self.block_size
         n = len(prompt_ids)
         matched: list[tuple[bytes, int]] = []
-        parent = b""
+        parent = chain_root(salt)
         for i in range((n - 1) // B):  # leave ≥ 1 token to prefill
             tokens = array("I", prompt_ids[i * B : (i + 1) * B])
             key = hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest()
@@ -156,8 +174,9 @@ class PrefixCache:
         return m
 
     # -- insert ------------------------------------------------------------------
-    def insert(self, slot: int, token_ids: Sequence[int]) -> int:
-        """Store the full blocks of ``slot`` not yet in the pool; return how many were added.
+    def insert(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Store the full blocks of ``slot`` not yet in the pool (keyed in the namespace of
+        ``salt``); return how many were added.
 
         Only the first ``min(len(token_ids), lengths[slot] of every store)`` positions
         are trusted (position t of the slot holds the KV of ``token_ids[t]``). Stops
@@ -165,7 +184,7 @@ class PrefixCache:
         """
         B = self.block_size
         valid = min([len(token_ids)] + [s.lengths[slot] for s in self.stores])
-        keys = block_hashes(token_ids, B, valid // B)
+        keys = block_hashes(token_ids, B, valid // B, salt)
         chain = set(keys)
         new: list[tuple[int, int]] = []  # (block index in the sequence, pool index)
         stored = 0

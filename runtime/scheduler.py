@@ -95,7 +95,8 @@ class BatchScheduler:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
             if self.prefix_cache is not None:
-                seq.num_cached = self.prefix_cache.restore(seq.slot, seq.token_ids[: seq.num_prompt])
+                seq.num_cached = self.prefix_cache.restore(seq.slot, seq.token_ids[: seq.num_prompt],
+                                                           seq.request.cache_salt)
             seq.status = SeqStatus.PREFILL
             self.running.append(seq)
         plan = StepPlan()
@@ -115,4 +116,4 @@ class BatchScheduler:
     def cache_prefix(self, seq: Sequence) -> None:
         """Store ``seq``'s full blocks (prompt, and completion so far) in the prefix cache."""
         if self.prefix_cache is not None and seq.slot >= 0:
-            self.prefix_cache.insert(seq.slot, seq.token_ids)
+            self.prefix_cache.insert(seq.slot, seq.token_ids, seq.request.cache_salt)

@@ -115,6 +115,22 @@ def test_a_chain_longer_than_the_pool_keeps_its_head_and_never_evicts_itself():
 
 # -- the real model ------------------------------------------------------------------------
 
+def test_salts_are_separate_namespaces():
+    c = store()
+    pc = PrefixCache([c], num_blocks=8, block_size=B)
+    toks = list(range(100, 164))
+    c.lengths[0] = 64
+    assert pc.insert(0, toks, salt="tenant:acme") == 4
+    assert pc.restore(1, toks, salt="tenant:globex") == 0  # another tenant: a miss
+    assert pc.restore(1, toks) == 0  # the unsalted namespace too
+    assert pc.restore(1, toks, salt="tenant:acme") == 48
+    assert (c.k[:, 1, :, :48] == c.k[:, 0, :, :48]).all()
+    # The same tokens under another salt are stored again, in their own blocks.
+    assert pc.insert(0, toks, salt="tenant:globex") == 4 and pc.num_cached_blocks == 8
+    assert block_hashes(toks, B, 4) != block_hashes(toks, B, 4, "x") != block_hashes(toks, B, 4, "y")
+    assert block_hashes(toks, B, 4, "") == block_hashes(toks, B, 4)
+
+
 def chat_ids(tokenizer, messages) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -253,6 +269,25 @@ def test_logits_after_a_reused_prefix_equal_a_fresh_prefill(target_fp32):
 
 
 @pytest.mark.model
+def test_engine_shares_cached_prefixes_only_within_a_salt(target_fp32, tokenizer, reference):
+    r = Runner(target_fp32, tokenizer)
+    (p0, c0), (p1, c1) = reference[0][0], reference[0][1]
+    salted = lambda rid, ids, salt: GenerationRequest(rid, ids, SP, cache_salt=salt)  # noqa: E731
+    out = []
+    for i, (ids, salt) in enumerate([(p0, "tenant:a"), (p1, "tenant:b"), (p1, "tenant:a")]):
+        r.zero_kv()
+        before = r.engine.prefix_cache.hits
+        r.engine.add_request(salted(f"s{i}", ids, salt))
+        while r.engine.has_work():
+            r.engine.step()
+        out.append((r.engine.prefix_cache.hits - before, r.tokens(f"s{i}")))
+    shared = expected_hits([(p0, c0), (p1, c1)])[1]
+    assert shared >= 32  # the two prompts share SYSTEM's blocks
+    assert out[1][0] == 0 and out[2][0] == shared  # tenant b misses; tenant a hits
+    assert [t for _, t in out] == [c0, c1, c1]
+
+
+@pytest.mark.model
 def test_tiny_pool_evicts_lru_blocks_and_outputs_stay_correct(target_fp32, tokenizer, reference):
     ref = reference[1]
     r = Runner(target_fp32, tokenizer, prefix_cache_blocks=6, prefix_block_size=B)
@@ -371,3 +406,45 @@ async def test_prefix_cache_counters_on_metrics_and_admin_engine(db_url):  # noq
     assert samples["sparkgate:prefix_cache_queries_total"] == 500
     assert samples["sparkgate:prefix_cache_hits_total"] == 320
     assert engine["prefix_cache_queries"] == 500 and engine["prefix_cache_hits"] == 320
+
+
+async def test_gateway_salts_the_prefix_cache_per_tenant_unless_global(db_url):  # noqa: F811
+    from gateway.main import create_app
+    from gateway.translate import prefix_cache_salt
+
+    assert prefix_cache_salt("tenant", "acme", None) == "tenant:acme"
+    assert prefix_cache_salt("tenant", "acme", "s1") == "tenant:acme\x1frequest:s1"
+    assert prefix_cache_salt("global", "acme", None) is None
+    assert prefix_cache_salt("global", "acme", "s1") == "request:s1"
+    assert prefix_cache_salt("tenant", None, None) is None
+    seen = {}
+    for scope in ("tenant", "global"):
+        backend = FakeBackend()
+        application = create_app(make_settings(db_url, admin_token="tok", prefix_cache_scope=scope), backend)
+        async with application.router.lifespan_context(application):
+            await application.state.backend_start
+            transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as c:
+                body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]}
+                h = {"Authorization": "Bearer tok"}
+                assert (await c.post("/v1/chat/completions", json=body, headers=h)).status_code == 200
+                r = await c.post("/v1/chat/completions", json={**body, "cache_salt": "conv-7"}, headers=h)
+                assert r.status_code == 200
+                bad = await c.post("/v1/chat/completions", json={**body, "cache_salt": "x" * 257}, headers=h)
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+        seen[scope] = [req.cache_salt for req in backend.requests]
+    assert seen == {"tenant": ["tenant:admin", "tenant:admin\x1frequest:conv-7"], "global": [None, "request:conv-7"]}
+
+
+def test_prefix_cache_settings_reach_the_engine_config(monkeypatch):
+    from gateway.core.config import Settings
+
+    monkeypatch.setenv("SPARKGATE_PREFIX_CACHE_BLOCKS", "0")
+    monkeypatch.setenv("SPARKGATE_PREFIX_CACHE_SCOPE", "global")
+    s = Settings()
+    assert s.engine_config().prefix_cache_blocks == 0 and s.prefix_cache_scope == "global"
+    assert Settings(_env_file=None, prefix_cache_blocks=64).engine_config().prefix_cache_blocks == 64
+    with pytest.raises(ValueError):
+        Settings(prefix_cache_scope="everyone")
+    with pytest.raises(ValueError):
+        Settings(prefix_cache_blocks=-1)

@@ -33,7 +33,8 @@ async def respond(
     state = request.app.state
     max_tokens = completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param)
     gen_request = generation_request(fmt.id, prompt_ids, body, max_tokens, principal.tenant,
-                                     principal.user_label, state.settings.request_timeout_s, fmt.num_top_logprobs)
+                                     principal.user_label, state.settings.request_timeout_s, fmt.num_top_logprobs,
+                                     state.settings.prefix_cache_scope)
     ctx = RequestContext(
         request_id=fmt.id,
         endpoint=prompt_param == "messages" and "chat" or "completions",

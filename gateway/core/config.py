@@ -39,6 +39,11 @@ class Settings(BaseSettings):
         profile_on_start: passed to :class:`runtime.config.EngineConfig` (see its docstring);
             serving profiles the SPS table at start-up only when speculating and no
             cached profile matches (``profile_on_start``, default on for the server).
+        prefix_cache_blocks: capacity of the automatic prefix cache in 16-token blocks
+            (``runtime.prefix_cache``; 256 blocks = 180 MiB in fp32, 90 MiB in bf16, with
+            the drafter's context cache on top when speculating); 0 disables it.
+        prefix_cache_scope: ``tenant`` (default): cached prompt KV is reused only within
+            a tenant (no cross-tenant timing side channel); ``global``: across tenants.
         cors_origins: browser origins allowed by CORS; empty → CORS disabled.
         admin_token: optional extra bearer token accepted on every route (tenant ``admin``).
         model_name: public name of the served model (accepted as ``model`` alias).
@@ -86,6 +91,8 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = 7
     sps_table_path: str | None = None
     profile_on_start: bool = True
+    prefix_cache_blocks: int = Field(default=256, ge=0)  # blocks of 16 tokens; 0 disables prefix caching
+    prefix_cache_scope: Literal["tenant", "global"] = "tenant"
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_token: str | None = None
     model_name: str = "SmolLM2-135M-Instruct"
@@ -140,6 +147,7 @@ class Settings(BaseSettings):
             num_speculative_tokens=self.num_speculative_tokens,
             sps_table_path=self.sps_table_path,
             profile_on_start=self.profile_on_start,
+            prefix_cache_blocks=self.prefix_cache_blocks,
         )
 
     def backend_config(self):

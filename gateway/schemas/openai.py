@@ -54,6 +54,7 @@ class BaseCompletionRequest(_Request):
     user: str | None = None
     ignore_eos: bool | None = False  # extension (benchmarks)
     return_spec_stats: bool | None = False  # Sparkgate extension
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
     # Defined by OpenAI, not implemented: rejected by name in gateway.translate.
     n: Any = None
     presence_penalty: Any = None

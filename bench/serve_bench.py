@@ -56,9 +56,11 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, e
         "stream_options": {"include_usage": True},
         **extra,
     }
+    body = {k: v for k, v in body.items() if v is not None}  # extra may drop a field: {"ignore_eos": None}
     t0 = time.monotonic()
     t_first = t_last = None
     usage = None
+    chunks = 0  # content chunks: the token count when a server sends no usage
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -72,10 +74,11 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, e
                 usage = chunk["usage"]
             for ch in chunk.get("choices", []):
                 if ch.get("delta", {}).get("content"):
+                    chunks += 1
                     now = time.monotonic()
                     t_first = t_first or now
                     t_last = now
-    n = usage["completion_tokens"] if usage else 0
+    n = usage["completion_tokens"] if usage else chunks
     return {
         "ttft_s": (t_first - t0) if t_first else None,
         "completion_tokens": n,
@@ -84,19 +87,20 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, e
     }
 
 
-async def run_level(base_url: str, key: str, prompts: list[str], concurrency: int, rounds: int, max_tokens: int, extra: dict) -> dict:
+async def run_level(base_url: str, key: str, prompts: list[str], concurrency: int, rounds: int, max_tokens: int,
+                    extra: dict, model: str = "SmolLM2-135M-Instruct") -> dict:
     headers = {"Authorization": f"Bearer {key}"}
     results: list[dict] = []
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600) as client:
         # one warm-up request
-        await one_request(client, prompts[0], 8, extra)
+        await one_request(client, prompts[0], 8, {"model": model, **extra})
         queue = list(prompts[: concurrency * rounds])
         t0 = time.monotonic()
 
         async def worker():
             while queue:
                 p = queue.pop(0)
-                results.append(await one_request(client, p, max_tokens, extra))
+                results.append(await one_request(client, p, max_tokens, {"model": model, **extra}))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.monotonic() - t0

@@ -33,6 +33,7 @@ from runtime.dspark.train import (
     draft_log_probs,
     dspark_loss,
     init_drafter,
+    lr_at,
     micro_batch_loss,
     position_weights,
     train,
@@ -227,3 +228,16 @@ def test_training_smoke_loss_falls_and_resumes(tmp_path, target_fp32, tokenizer)
 
     reloaded = load_drafter(tmp_path / "ck", target_fp32)
     assert abs(float(fixed_loss(reloaded).total) - float(after.total)) < 1e-4
+
+
+def test_lr_schedule_follows_the_time_budget_when_it_runs_out_first():
+    cfg = TrainConfig(lr=1e-3, min_lr_ratio=0.1, warmup_frac=0.05, steps=100, max_minutes=10)
+    assert lr_at(cfg, 0) == pytest.approx(1e-3 / 5)  # warmup: 5 steps
+    assert lr_at(cfg, 5) == pytest.approx(1e-3)
+    assert lr_at(cfg, 100) == pytest.approx(1e-4)
+    # Step 10 of 100 but 5 of 10 minutes gone: the cosine is half-way, not at 5/95.
+    assert lr_at(cfg, 10, elapsed_s=300) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    assert lr_at(cfg, 10, elapsed_s=600) == pytest.approx(1e-4)
+    assert lr_at(cfg, 90, elapsed_s=60) == pytest.approx(lr_at(cfg, 90))  # steps further along: they rule
+    no_budget = TrainConfig(lr=1e-3, steps=100)
+    assert lr_at(no_budget, 10, elapsed_s=1e9) == lr_at(no_budget, 10)

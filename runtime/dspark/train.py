@@ -315,12 +315,19 @@ def load_for_training(path: str | Path, target) -> DSparkDrafter:
     return drafter
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to ``lr`` then cosine to ``lr·min_lr_ratio`` over ``cfg.steps``."""
+def lr_at(cfg: TrainConfig, step: int, elapsed_s: float | None = None) -> float:
+    """Linear warmup to ``lr`` then cosine to ``lr·min_lr_ratio`` over ``cfg.steps``.
+
+    With a time budget (``cfg.max_minutes``) and ``elapsed_s`` given, the cosine runs on
+    whichever is further along, steps or wall time, so a run stopped by the clock still
+    ends at the low LR instead of being cut mid-schedule.
+    """
     warm = max(1, int(round(cfg.warmup_frac * cfg.steps)))
     if step < warm:
         return cfg.lr * (step + 1) / warm
     t = min(1.0, (step - warm) / max(1, cfg.steps - warm))
+    if cfg.max_minutes and elapsed_s is not None:
+        t = max(t, min(1.0, elapsed_s / (cfg.max_minutes * 60.0)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -473,8 +480,9 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
     def one_step() -> None:
         nonlocal step, t_used, toks_total, blocks_total, last
         t0 = time.monotonic()
+        lr = lr_at(cfg, step, time.monotonic() - t_start)
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
+            g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         agg = {"loss": 0.0, "ce": 0.0, "l1": 0.0, "bce": 0.0, "accept": 0.0}
         tau_s = tau_n = ntok = nslots = 0
@@ -498,7 +506,7 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
         blocks_total += tau_n
         t_used = time.monotonic() - t_start
         log({"kind": "train", "step": step, **{k: round(v, 5) for k, v in agg.items()},
-             "tau_prob": round(tau_s / max(tau_n, 1), 4), "lr": lr_at(cfg, step - 1), "grad_norm": round(gnorm, 4),
+             "tau_prob": round(tau_s / max(tau_n, 1), 4), "lr": lr, "grad_norm": round(gnorm, 4),
              "tokens": ntok, "slots": nslots, "seconds": round(dt, 2), "tokens_per_s": round(ntok / dt, 1),
              "elapsed_s": round(t_used, 1)})  # fmt: skip
         if bar is not None:

@@ -188,11 +188,11 @@ def warp_probs(
     out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
 
     greedy = temperature <= 0
+    if bool(greedy.all()):  # all greedy: no row gather (a [N, V] copy)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if bool(greedy.any()):
         g_rows = greedy.nonzero().squeeze(-1)
         out[g_rows, logits[g_rows].argmax(-1)] = 1.0
-        if bool(greedy.all()):
-            return out
     sampled = ~greedy
     filt = sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
 

@@ -341,3 +341,27 @@ def test_greedy_speculative_equals_ar_end_to_end(target_fp32, drafter):
     assert spec_dspark == ar
     assert spec_lookup == ar
     assert acc_lookup > 0  # the repetitive prompt makes prompt lookup accept drafts
+
+
+def test_export_casts_every_float_tensor_and_keeps_the_config(target_fp32, tmp_path):
+    from safetensors.torch import load_file
+
+    from runtime.dspark.checkpoint import export_checkpoint
+
+    cfg = DrafterConfig(markov_rank=32, num_layers=1, init_seed=5, sts_temperatures=[1.0, 1.2, 0.9, 1.0, 1.1, 1.3, 2.0])
+    d = DSparkDrafter(target_fp32, cfg)
+    save_drafter(d, tmp_path / "src")
+    (tmp_path / "src" / "calibration.json").write_text('{"ece_after": [0.01]}')
+    info = export_checkpoint(tmp_path / "src", tmp_path / "dst")
+    src = load_file(str(tmp_path / "src" / "model.safetensors"))
+    dst = load_file(str(tmp_path / "dst" / "model.safetensors"))
+    assert info["tensors"] == len(src) == len(dst) and info["dtype"] == "bfloat16"
+    assert all(dst[k].dtype == torch.bfloat16 for k in dst if src[k].is_floating_point())
+    assert any(src[k].dtype == torch.float32 for k in src)  # there was something to cast
+    assert all(torch.equal(dst[k].float(), src[k].to(torch.bfloat16).float()) for k in src)
+    assert info["bytes"] < 0.6 * (tmp_path / "src" / "model.safetensors").stat().st_size
+    assert (tmp_path / "dst" / "calibration.json").read_text() == '{"ece_after": [0.01]}'
+    loaded = load_drafter(tmp_path / "dst", target_fp32)
+    assert loaded.cfg == cfg  # STS temperatures travel in config.json
+    with pytest.raises(FileNotFoundError):
+        export_checkpoint(tmp_path / "nowhere", tmp_path / "x")

@@ -96,3 +96,38 @@ def load_drafter(path: str | Path, target: LlamaModel) -> DSparkDrafter:
             raise ValueError(f"{path}: weight {k} has shape {tuple(sd[k].shape)}, expected {tuple(v.shape)}")
         v.copy_(sd[k].to(v.dtype))
     return drafter
+
+
+def export_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> dict:
+    """Copy a checkpoint for serving/committing: every floating tensor cast to ``dtype``.
+
+    Training writes fp32 master weights (and heads in fp32, ~60 MB for γ 7 / 2 layers /
+    rank 64); the served model runs the backbone in the target's dtype anyway and the
+    heads only add a low-rank bias and a confidence logit, so a bf16 copy (~30 MB) is
+    what ``runtime/dspark/checkpoints/default/`` holds. ``config.json`` (with its STS
+    temperatures) and ``calibration.json`` are copied unchanged; optimizer state and
+    training logs are not.
+
+    Returns:
+        ``{"tensors", "bytes", "dtype"}`` of the written ``model.safetensors``.
+
+    Raises:
+        FileNotFoundError: ``src`` has no ``config.json`` / ``model.safetensors``.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    for name in ("config.json", "model.safetensors"):
+        if not (src / name).exists():
+            raise FileNotFoundError(f"{src / name} not found")
+    dst.mkdir(parents=True, exist_ok=True)
+    want = getattr(torch, dtype)
+    sd = {k: (v.to(want) if v.is_floating_point() else v).contiguous() for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(sd, str(dst / "model.safetensors"))
+    for name in ("config.json", "calibration.json"):
+        if (src / name).exists() and src.resolve() != dst.resolve():
+            shutil.copyfile(src / name, dst / name)
+    return {"tensors": len(sd), "bytes": (dst / "model.safetensors").stat().st_size, "dtype": dtype}

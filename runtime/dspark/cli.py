@@ -4,6 +4,7 @@
     python -m runtime.dspark.cli train     --out runtime/dspark/checkpoints/candidate [--minutes 20] ...
     python -m runtime.dspark.cli calibrate --checkpoint DIR
     python -m runtime.dspark.cli eval      --checkpoint DIR [--max-samples 20] ...
+    python -m runtime.dspark.cli export    --checkpoint DIR --out runtime/dspark/checkpoints/default
 
 :func:`build_parser` / :func:`main` are what ``sparkgate train-drafter`` etc. hook
 into (``main(argv)`` returns an exit code). Long runs belong under ``nice -n 19``.
@@ -199,6 +200,20 @@ def _run_eval(a) -> int:
     return 0
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="copy a checkpoint with its tensors cast (bf16 for serving / git)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+
+def _run_export(a) -> int:
+    from runtime.dspark.checkpoint import export_checkpoint
+
+    print(json.dumps(export_checkpoint(a.checkpoint, a.out, a.dtype)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark drafter pipeline (docs/drafter.md)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -206,10 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_calibrate(sub)
     _add_eval(sub)
+    _add_export(sub)
     return p
 
 
-RUNNERS = {"regen": _run_regen, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval}
+RUNNERS = {"regen": _run_regen, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval,
+           "export": _run_export}
 
 
 def main(argv: list[str] | None = None) -> int:

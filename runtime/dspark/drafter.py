@@ -226,20 +226,27 @@ def sample_block(
     if _fused_markov_ok(markov, base_logits, top_k, top_p):
         return _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temperature, generators, sts_temperatures)
     prev = anchors.long()
-    tokens, probs = [], []
+    tokens = []
+    probs = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
+    greedy = bool((temperature <= 0).all())
+    if greedy:
+        probs.zero_()
     for k in range(gamma):
         logits_k = apply_markov(markov, base_logits[:, k], prev, hidden[:, k])
-        p_k = warp_probs(logits_k, temperature, top_k, top_p)
-        prev = sample(p_k, generators)
+        if greedy:  # the same one-hot warp_probs gives and the token sample() draws from it, without the copies
+            prev = logits_k.argmax(-1)
+            probs[:, k].scatter_(-1, prev[:, None], 1.0)
+        else:
+            probs[:, k] = warp_probs(logits_k, temperature, top_k, top_p)
+            prev = sample(probs[:, k], generators)
         tokens.append(prev)
-        probs.append(p_k)
     tok = torch.stack(tokens, dim=1)
     prev_all = torch.cat([anchors.long()[:, None], tok[:, :-1]], dim=1)  # x_0..x_{γ−1}
     emb = markov.prev_embedding(prev_all) if markov is not None else None
     conf_logits = confidence(hidden, emb)
     return DraftSample(
         tokens=tok,
-        probs=torch.stack(probs, dim=1),
+        probs=probs,
         confidence=calibrated_confidence(conf_logits, sts_temperatures),
         confidence_logits=conf_logits,
     )

@@ -94,3 +94,20 @@ def test_span_start_must_match_cache(target_fp32):
         target_fp32.forward(torch.tensor([1, 2]), [SeqSpan(s, 3, 2)], cache)
     with pytest.raises(ValueError):
         target_fp32.forward(torch.arange(17), [SeqSpan(s, 0, 17)], cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_linear_is_bitwise_f_linear(dtype):
+    import torch.nn.functional as F
+
+    from runtime.models.llama import Linear, linear
+
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = torch.randn(out_f, in_f, generator=g).to(dtype)
+        for rows in (1, 2, 7):
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            assert torch.equal(linear(x, w), F.linear(x, w))
+    lin = Linear(576, 960).to(dtype)
+    x = torch.randn(1, 576, generator=g).to(dtype)
+    assert lin.bias is None and torch.equal(lin(x), F.linear(x, lin.weight))

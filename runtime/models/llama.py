@@ -68,6 +68,29 @@ class LlamaConfig:
         )
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), with one-row inputs on the CPU as ``torch.mv``.
+
+    A batch-1 decode step is 121 matrix-vector products. On the CPU, ``F.linear`` with a
+    single row takes a slower route to the same GEMV than ``torch.mv`` does (measured
+    2–4× per matrix in bf16 on an AMX Xeon, bench/forward_profile.py); the results are
+    bitwise identical (tests/test_llama.py), so this only removes time.
+    """
+    if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """Bias-free ``nn.Linear`` whose forward is :func:`linear`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) · w, computed in fp32, returned in x.dtype."""
 
@@ -136,8 +159,8 @@ class Attention(nn.Module):
         q_out = cfg.num_heads * cfg.head_dim
         kv_out = cfg.num_kv_heads * cfg.head_dim
         self.split = (q_out, kv_out, kv_out)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=False)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, q_out + 2 * kv_out)
+        self.o_proj = Linear(q_out, cfg.hidden_size)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def project_qkv(
@@ -185,8 +208,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -255,7 +278,7 @@ class LlamaModel(nn.Module):
         """Final-normed hidden ``[R, d]`` → fp32 logits ``[R, vocab]``."""
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     @staticmethod
     def causal_masks(spans: Sequence[SeqSpan], device: torch.device) -> list[torch.Tensor | None]:

@@ -1,0 +1,82 @@
+"""Where a target decode step's time goes on the CPU (torch profiler), per batch size.
+
+Prefills ``--context`` random tokens into each of B slots, then times ``--steps`` decode
+steps (one new token per sequence, LM head on every row) and profiles 10 more. Prints
+one JSON document: ms per step, the effective weight bandwidth (bytes of the weights a
+step must read / step time: a batch-1 decode step is a chain of matrix-vector products,
+so this is the number to compare with the machine's memory bandwidth), and the top
+operators by self CPU time with their share.
+
+    .venv/bin/python bench/forward_profile.py [--batch 1 16] [--dtype auto] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.config import resolve_dtype  # noqa: E402
+from runtime.models.llama import SeqSpan, load_llama  # noqa: E402
+from runtime.models.loader import ensure_converted  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=10)
+    args = ap.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, resolve_dtype(args.dtype))
+    model = load_llama(ensure_converted(), dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    weight_bytes += model.lm_head_weight.numel() * model.lm_head_weight.element_size()  # tied: read by the head
+    rows = []
+    for B in args.batch:
+        cache = model.new_cache(B, args.context + args.steps + 20)
+        for s in range(B):
+            model(torch.randint(0, model.cfg.vocab_size, (args.context,)), [SeqSpan(s, 0, args.context)], cache)
+
+        def step() -> None:
+            spans = [SeqSpan(s, cache.lengths[s], 1) for s in range(B)]
+            model(torch.randint(0, model.cfg.vocab_size, (B,)), spans, cache, logits_rows=torch.arange(B))
+
+        for _ in range(3):
+            step()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                step()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        top = [{"op": e.key, "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count // 10,
+                "ms_per_step": round(e.self_cpu_time_total / 10 / 1e3, 2)} for e in events[: args.top]]
+        row = {"batch": B, "ms_per_step": round(ms, 2), "tokens_per_s": round(B / ms * 1e3, 1),
+               "weight_gb_per_s": round(weight_bytes / (ms / 1e3) / 1e9, 2), "top_ops": top}
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("batch", "ms_per_step", "tokens_per_s")}), file=sys.stderr)
+    print(json.dumps({"benchmark": "forward_profile", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+                      "context": args.context, "weight_mb": round(weight_bytes / 2**20, 1), "cpu_count": os.cpu_count(),
+                      "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

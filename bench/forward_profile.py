@@ -7,7 +7,12 @@ step must read / step time: a batch-1 decode step is a chain of matrix-vector pr
 so this is the number to compare with the machine's memory bandwidth), and the top
 operators by self CPU time with their share.
 
-    .venv/bin/python bench/forward_profile.py [--batch 1 16] [--dtype auto] [--threads 2]
+    .venv/bin/python bench/forward_profile.py [--batch 1 16] [--dtype auto] [--threads 2] [--compare]
+
+``--compare`` also times each batch with the two step-time fixes of issue 6 switched off
+(one-row linears through ``F.linear`` instead of ``torch.mv``; one SDPA call per decode
+sequence instead of one grouped call), interleaved with the current code, and reports
+both medians (``before_ms`` / ``after_ms``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,35 @@ from runtime.models.llama import SeqSpan, load_llama  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
 
 
+def compare(step, cache, context: int, reps: int = 7, n: int = 5) -> dict:
+    """Median ms per step before (F.linear, per-sequence decode attention) and after."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    import runtime.models.llama as llama
+
+    fixed_linear, fixed_group = llama.linear, llama.MIN_DECODE_GROUP
+    out: dict[str, list[float]] = {"before_ms": [], "after_ms": []}
+    try:
+        for _ in range(reps):
+            for key, (lin, group) in (("before_ms", (lambda x, w: F.linear(x, w), 10**9)),
+                                      ("after_ms", (fixed_linear, fixed_group))):
+                llama.linear, llama.MIN_DECODE_GROUP = lin, group
+                start = list(cache.lengths)
+                step()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    step()
+                out[key].append((time.perf_counter() - t0) / n * 1e3)
+                cache.lengths[:] = start
+    finally:
+        llama.linear, llama.MIN_DECODE_GROUP = fixed_linear, fixed_group
+    res = {k: round(statistics.median(v), 2) for k, v in out.items()}
+    res["speedup"] = round(res["before_ms"] / res["after_ms"], 3)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -37,6 +71,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--compare", action="store_true", help="A/B against the pre-fix forward")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -48,7 +83,7 @@ def main() -> None:
     weight_bytes += model.lm_head_weight.numel() * model.lm_head_weight.element_size()  # tied: read by the head
     rows = []
     for B in args.batch:
-        cache = model.new_cache(B, args.context + args.steps + 20)
+        cache = model.new_cache(B, args.context + args.steps + 64)
         for s in range(B):
             model(torch.randint(0, model.cfg.vocab_size, (args.context,)), [SeqSpan(s, 0, args.context)], cache)
 
@@ -71,6 +106,8 @@ def main() -> None:
                 "ms_per_step": round(e.self_cpu_time_total / 10 / 1e3, 2)} for e in events[: args.top]]
         row = {"batch": B, "ms_per_step": round(ms, 2), "tokens_per_s": round(B / ms * 1e3, 1),
                "weight_gb_per_s": round(weight_bytes / (ms / 1e3) / 1e9, 2), "top_ops": top}
+        if args.compare:
+            row.update(compare(step, cache, args.context))
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("batch", "ms_per_step", "tokens_per_s")}), file=sys.stderr)
     print(json.dumps({"benchmark": "forward_profile", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,

@@ -111,3 +111,42 @@ def test_one_row_linear_is_bitwise_f_linear(dtype):
     lin = Linear(576, 960).to(dtype)
     x = torch.randn(1, 576, generator=g).to(dtype)
     assert lin.bias is None and torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+def test_attention_plan_groups_single_token_spans_over_a_dense_slot_range():
+    from runtime.models.llama import attention_plan
+
+    spans = [SeqSpan(0, 10, 1), SeqSpan(1, 40, 5), SeqSpan(2, 7, 1), SeqSpan(3, 3, 1)]
+    plan = attention_plan(spans, torch.device("cpu"))
+    g = plan.decode
+    assert (g.lo, g.hi, g.length) == (0, 4, 11)
+    assert g.rows.tolist() == [0, 6, 7] and g.slot_offsets.tolist() == [0, 2, 3]
+    assert g.mask[:, 0, 0].sum(-1).tolist() == [11, 1, 8, 4]  # slot 1 is not in the group: key 0 only
+    assert [(s.slot, off) for s, off, _ in plan.per_sequence] == [(1, 1)]
+    assert plan.per_sequence[0][2].shape == (5, 45)
+    # One decode span, or a slot range over twice the group: no group.
+    assert attention_plan([SeqSpan(5, 10, 1), SeqSpan(0, 3, 4)], torch.device("cpu")).decode is None
+    assert attention_plan([SeqSpan(0, 10, 1), SeqSpan(9, 3, 1)], torch.device("cpu")).decode is None
+
+
+def test_grouped_decode_attention_equals_per_sequence(target_fp32, tokenizer, monkeypatch):
+    """A decode step of 5 sequences (slots 0..5, one slot idle, ragged lengths) plus a
+    prefill chunk: the grouped single-call attention gives the per-sequence logits."""
+    import runtime.models.llama as llama
+
+    g = torch.Generator().manual_seed(1)
+    lens = [23, 61, 5, 130, 44]
+    slots = [0, 1, 3, 4, 5]
+    logits = {}
+    for mode, min_group in (("per_sequence", 10**9), ("grouped", 2)):
+        monkeypatch.setattr(llama, "MIN_DECODE_GROUP", min_group)
+        g.manual_seed(1)
+        cache = target_fp32.new_cache(6, 256)
+        for s, n in zip(slots, lens):
+            target_fp32.forward(torch.randint(0, 49152, (n,), generator=g), [SeqSpan(s, 0, n)], cache)
+        new = torch.randint(0, 49152, (len(slots) + 9,), generator=g)
+        spans = [SeqSpan(s, n, 1) for s, n in zip(slots, lens)] + [SeqSpan(2, 0, 9)]
+        assert (llama.attention_plan(spans, torch.device("cpu")).decode is not None) == (mode == "grouped")
+        logits[mode] = target_fp32.forward(new, spans, cache, torch.arange(new.numel())).logits
+        assert cache.lengths[:6] == [24, 62, 9, 6, 131, 45]
+    assert (logits["grouped"] - logits["per_sequence"]).abs().max().item() <= 1e-4

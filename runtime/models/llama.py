@@ -179,18 +179,23 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache,
-        spans: Sequence[SeqSpan],
+        plan: "AttentionPlan",
         slot_idx: torch.Tensor,
         positions: torch.Tensor,
-        masks: Sequence[torch.Tensor | None],
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, L, D]
         kc[slot_idx, :, positions] = k
         vc[slot_idx, :, positions] = v
         out = torch.empty_like(q)
-        offset = 0
-        for span, mask in zip(spans, masks):
+        g = plan.decode
+        if g is not None:  # all single-token spans: one SDPA over a view of their slot range
+            qg = q.new_zeros((g.hi - g.lo, self.num_heads, 1, self.head_dim))
+            qg[g.slot_offsets] = q[g.rows].unsqueeze(2)
+            og = F.scaled_dot_product_attention(qg, kc[g.lo : g.hi, :, : g.length], vc[g.lo : g.hi, :, : g.length],
+                                                attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+            out[g.rows] = og[g.slot_offsets, :, 0]
+        for span, offset, mask in plan.per_sequence:
             n = span.num_new
             end = span.start + n
             qi = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -198,8 +203,79 @@ class Attention(nn.Module):
             vi = vc[span.slot, :, :end].unsqueeze(0)
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset : offset + n] = oi[0].transpose(0, 1)
-            offset += n
         return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token spans attended together: one SDPA call over ``cache[lo:hi, :, :length]``.
+
+    Attributes:
+        rows: int64 ``[G]``, the spans' rows in the flat token dimension.
+        slot_offsets: int64 ``[G]``, their slots minus ``lo``.
+        lo, hi: the slot range ``[lo, hi)`` viewed (no copy; slots in it that are not in
+            the group attend to key 0 only and their outputs are dropped).
+        length: keys ``[0, length)`` = the longest span's context + 1.
+        mask: bool ``[hi − lo, 1, 1, length]``, True = attend (keys ``< start + 1`` per slot).
+    """
+
+    rows: torch.Tensor
+    slot_offsets: torch.Tensor
+    lo: int
+    hi: int
+    length: int
+    mask: torch.Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """How one ragged forward's attention is computed (built once, used by every layer).
+
+    Attributes:
+        decode: the single-token spans batched into one call (``None`` if fewer than
+            ``MIN_DECODE_GROUP`` or their slot range is too sparse).
+        per_sequence: ``(span, first row, causal mask or None)`` for every other span.
+    """
+
+    decode: DecodeGroup | None
+    per_sequence: list[tuple[SeqSpan, int, torch.Tensor | None]]
+
+
+MIN_DECODE_GROUP = 2
+
+
+def attention_plan(spans: Sequence[SeqSpan], device: torch.device) -> AttentionPlan:
+    """Batch the single-token (decode) spans into one attention call when it pays.
+
+    A decode step of B sequences would otherwise make B small SDPA calls per layer
+    (480 at batch 16: ~27 % of the step, bench/forward_profile.py). The group is used
+    when ≥ ``MIN_DECODE_GROUP`` spans have one new token and their slot range holds at
+    most twice as many slots as spans (the view then wastes at most half its rows).
+    """
+    offsets, off = [], 0
+    for s in spans:
+        offsets.append(off)
+        off += s.num_new
+    single = [i for i, s in enumerate(spans) if s.num_new == 1]
+    group = None
+    if len(single) >= MIN_DECODE_GROUP:
+        slots = [spans[i].slot for i in single]
+        lo, hi = min(slots), max(slots) + 1
+        if hi - lo <= 2 * len(single):
+            length = max(spans[i].start + 1 for i in single)
+            ends = torch.ones(hi - lo, dtype=torch.long)  # slots outside the group: key 0 only
+            for i in single:
+                ends[spans[i].slot - lo] = spans[i].start + 1
+            mask = (torch.arange(length)[None, :] < ends[:, None]).view(hi - lo, 1, 1, length)
+            group = DecodeGroup(
+                rows=torch.tensor([offsets[i] for i in single], dtype=torch.long, device=device),
+                slot_offsets=torch.tensor([s - lo for s in slots], dtype=torch.long, device=device),
+                lo=lo, hi=hi, length=length, mask=mask.to(device),
+            )  # fmt: skip
+    grouped = set(single) if group is not None else set()
+    masks = LlamaModel.causal_masks(spans, device)
+    per_seq = [(s, offsets[i], masks[i]) for i, s in enumerate(spans) if i not in grouped]
+    return AttentionPlan(decode=group, per_sequence=per_seq)
 
 
 class MLP(nn.Module):
@@ -224,11 +300,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, spans, slot_idx, positions, masks) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, plan, slot_idx, positions) -> torch.Tensor:
         """``x``: the fp32 residual stream ``[T, d]``; sublayers run in the model dtype (that
         of the norms: int8-weight layers keep fp32 activations, ``runtime.models.quant``)."""
         dt = self.input_layernorm.weight.dtype
-        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, cache, spans, slot_idx, positions, masks).float()
+        x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, cache, plan, slot_idx, positions).float()
         return x + self.mlp(self.post_attention_layernorm(x).to(dt)).float()
 
 
@@ -330,7 +406,7 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"slot {s.slot}: {s.start + s.num_new} tokens exceed the cache ({cache.max_len})")
         positions = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in spans]).to(device)
         slot_idx = torch.cat([torch.full((s.num_new,), s.slot, dtype=torch.long) for s in spans]).to(device)
-        masks = self.causal_masks(spans, device)
+        plan = attention_plan(spans, device)
         cos, sin = self.rotary.tables(positions, self.dtype)
 
         # The residual stream is kept in fp32 (only matmul inputs are cast to the serving
@@ -340,7 +416,7 @@ class LlamaModel(nn.Module):
         taps: list[torch.Tensor] = []
         tap_set = {i: j for j, i in enumerate(tap_layers)}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, spans, slot_idx, positions, masks)
+            x = layer(x, cos, sin, cache, plan, slot_idx, positions)
             if i in tap_set:
                 taps.append(x)
         for s in spans:

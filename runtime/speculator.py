@@ -117,9 +117,11 @@ class Speculator:
         from runtime.dspark.config import DrafterConfig
         from runtime.dspark.drafter import DSparkDrafter
 
-        path = Path(config.draft_checkpoint) if config.draft_checkpoint else DEFAULT_CHECKPOINT
         rank0 = config.spec_method == "parallel"
-        if (path / "config.json").exists():
+        # The committed default is the DSpark drafter (Markov rank 64); the rank-0 ablation
+        # is served only from an explicit checkpoint (else randomly initialised).
+        path = Path(config.draft_checkpoint) if config.draft_checkpoint else (None if rank0 else DEFAULT_CHECKPOINT)
+        if path is not None and (path / "config.json").exists():
             drafter = load_drafter(path, target)
             if rank0 != (drafter.cfg.markov_rank == 0):
                 raise ValueError(f"checkpoint {path} has markov_rank {drafter.cfg.markov_rank}; spec_method {config.spec_method}")

@@ -15,6 +15,7 @@ forward: the raw target logits of the row that produced each emitted token
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, resolve_dtype
 from runtime.detokenizer import Detokenizer
 from runtime.interface import (
     Event,
@@ -72,8 +73,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None) -> None:
+        if config.dtype == "auto":  # the default: bf16 where the CPU has native bf16, else fp32
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
         if config.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)}")
+            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.config = config

@@ -36,3 +36,16 @@ def test_engine_rejects_an_unknown_dtype():
 
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         LLMEngine(EngineConfig(dtype="int3"), lambda rid, ev: None, model=object(), tokenizer=object())
+
+
+@pytest.mark.model
+def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
+    """The default ``dtype="auto"`` reaches the engine unresolved (Settings → EngineConfig);
+    the engine must resolve it, not reject it (``make serve`` runs with the default)."""
+    from gateway.core.config import Settings
+    from runtime.engine import LLMEngine
+
+    assert Settings(_env_file=None).engine_config().dtype == "auto"
+    e = LLMEngine(EngineConfig(dtype="auto", max_batch_size=1, max_context=64), lambda rid, ev: None,
+                  model=target_fp32, tokenizer=tokenizer)
+    assert e.config.dtype == resolve_dtype("auto") and e.config.dtype in ("bfloat16", "float32")

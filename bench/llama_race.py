@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_bench import load_prompts, run_level, start_server  # noqa: E402
+from serve_bench import level_summary, load_prompts, run_level, start_server  # noqa: E402
 
 EOS_ID = 2  # <|im_end|>
 
@@ -85,19 +84,13 @@ def free_port() -> int:
 
 
 def summarize_in_process(rows: list[dict]) -> dict:
+    """Requests run one after another: the level's wall time is the sum of theirs."""
     from runtime.interface import decode_tokens_per_s
 
-    tps = [decode_tokens_per_s(r["completion_tokens"], r["t_first"], r["t_last"]) for r in rows]
-    tps = [t for t in tps if t]
+    results = [{**r, "decode_tokens_per_s": decode_tokens_per_s(r["completion_tokens"], r["t_first"], r["t_last"])}
+               for r in rows]
     wall = sum(r["ttft_s"] + (r["t_last"] - r["t_first"]) for r in rows)
-    return {
-        "concurrency": 1,
-        "requests": len(rows),
-        "per_user_tokens_per_s_p50": round(statistics.median(tps), 2),
-        "per_user_tokens_per_s_p10": round(sorted(tps)[len(tps) // 10], 2),
-        "aggregate_tokens_per_s": round(sum(r["completion_tokens"] for r in rows) / wall, 2),
-        "ttft_s_p50": round(statistics.median(r["ttft_s"] for r in rows), 4),
-    }
+    return level_summary(results, 1, wall)
 
 
 def llama_in_process(python: str, prompts: list[str], max_tokens: int, threads: int) -> dict:

@@ -104,6 +104,12 @@ async def run_level(base_url: str, key: str, prompts: list[str], concurrency: in
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.monotonic() - t0
+    return level_summary(results, concurrency, wall)
+
+
+def level_summary(results: list[dict], concurrency: int, wall: float) -> dict:
+    """One concurrency level's numbers from per-request results (``ttft_s``,
+    ``completion_tokens``, ``decode_tokens_per_s``) and the level's wall time (seconds)."""
     tps = [r["decode_tokens_per_s"] for r in results if r["decode_tokens_per_s"]]
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     tokens = sum(r["completion_tokens"] for r in results)

@@ -67,7 +67,7 @@ def test_int8_linear_matches_its_dequantised_weight_on_both_paths():
 @pytest.mark.model
 def test_int8_model_logits_close_to_fp32(target_fp32, model_dir, tokenizer):
     model = load_llama(model_dir, torch.int8)
-    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and model.lm_head_int8 is not None
+    assert isinstance(model.layers[0].mlp.down_proj, Int8Linear) and model.lm_head_quant is not None
     assert model.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.float32
     for text in PROMPTS:
         x = torch.tensor(tokenizer(text)["input_ids"])

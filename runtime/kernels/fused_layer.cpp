@@ -20,6 +20,7 @@
 // intermediate to bf16 (projection outputs, RoPE) and this op keeps fp32
 // (tests/test_fused_layer.py bounds the difference).
 #include "gguf_cpu.h"
+#include "work_pool.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -132,10 +133,11 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / KVH;
   const int64_t DV = D / 16;  // zmm per head vector (D % 16 == 0, checked)
-  at::parallel_for(0, M * H, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> score(L + 16);
+  sparkgate::WorkPool::instance().run(M * H, [&](int64_t idx) {
+    thread_local std::vector<float> score;
+    if (static_cast<int64_t>(score.size()) < L + 16) score.resize(L + 16);
     __m512 q[8], o[8];
-    for (int64_t idx = b; idx < e; ++idx) {
+    {
       const int64_t r = idx / H, h = idx % H, g = h / group;
       const int64_t n = positions[r] + 1, slot = slots[r];
       for (int64_t v = 0; v < DV; ++v) q[v] = _mm512_mul_ps(bf16x16_to_f32(qbp + (r * H + h) * D + 16 * v), _mm512_set1_ps(scale));

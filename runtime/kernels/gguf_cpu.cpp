@@ -23,11 +23,13 @@
 // The weights are read once per call whatever M is: each tile is unpacked in registers and
 // used for up to 8 rows of x at a time (a tile's bytes stay in L1 for the next 8 rows), so a
 // few-token forward (batch decode, speculative verification) costs about one token's memory
-// traffic. Lanes are output rows, so no horizontal sums. Parallel over tiles (OpenMP via ATen).
+// traffic. Lanes are output rows, so no horizontal sums. Parallel over chunks of tiles
+// (work_pool.h).
 //
 // Built on first use by runtime/kernels/gguf_cpu.py (torch.utils.cpp_extension); called only
 // on CPUs that list avx512_bf16. Registered as torch.ops.sparkgate.gguf_linear.
 #include "gguf_cpu.h"
+#include "work_pool.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -199,15 +201,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   float* yf = out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
   at::BFloat16* yb = out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr;
   const int64_t T = N / TN;
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  auto& pool = sparkgate::WorkPool::instance();
+  const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
+  pool.run((T + per - 1) / per, [&](int64_t c) {
+    const int64_t t0 = c * per, t1 = std::min(T, t0 + per);
     if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1);
     else tiles_all_rows<QTYPE_Q8_0>(xp, xs, wp, yf, yb, M, N, K, t0, t1);
   });
   return y;
 }
 
+void set_kernel_threads(int64_t n) { sparkgate::WorkPool::instance().set_threads(static_cast<int>(n)); }
+
+int64_t kernel_threads() { return sparkgate::WorkPool::instance().threads(); }
+
 TORCH_LIBRARY(sparkgate, m) {
   m.def("gguf_linear(Tensor x, Tensor tiles, int qtype, int N, int K, ScalarType out_dtype) -> Tensor");
+  m.def("set_kernel_threads(int n) -> ()", &set_kernel_threads);
+  m.def("kernel_threads() -> int", &kernel_threads);
 }
 
 TORCH_LIBRARY_IMPL(sparkgate, CPU, m) {

@@ -35,7 +35,7 @@ BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 QK = 32
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h
+_SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h, work_pool.h
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"]
 
 
@@ -66,7 +66,7 @@ def _load_kernel() -> bool:
 
     from runtime.models.loader import cache_dir
 
-    text = b"".join(p.read_bytes() for p in [*_SOURCES, _HERE / "gguf_cpu.h"])
+    text = b"".join(p.read_bytes() for p in [*_SOURCES, _HERE / "gguf_cpu.h", _HERE / "work_pool.h"])
     digest = hashlib.sha256(text + " ".join(_CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"sparkgate_gguf_cpu_{digest}"
     build = cache_dir() / "torch_extensions" / name

@@ -350,6 +350,9 @@ class LlamaModel(nn.Module):
         self.embed_quant: nn.Module | None = None
         self.fused_layer = None
         self.fused_max_rows = 0
+        # > 0: torch intra-op threads for forwards that take the eager path (set by the
+        # engine when the fused path runs with torch at 1 thread; see LLMEngine).
+        self.eager_threads = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -431,10 +434,16 @@ class LlamaModel(nn.Module):
         else:
             plan = attention_plan(spans, device)
             cos, sin = self.rotary.tables(positions, self.dtype)
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, cache, plan, slot_idx, positions)
-                if i in tap_set:
-                    taps.append(x)
+            threads = torch.get_num_threads()
+            if self.eager_threads:
+                torch.set_num_threads(self.eager_threads)
+            try:
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cos, sin, cache, plan, slot_idx, positions)
+                    if i in tap_set:
+                        taps.append(x)
+            finally:
+                torch.set_num_threads(threads)
         for s in spans:
             cache.lengths[s.slot] = s.start + s.num_new
 

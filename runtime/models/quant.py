@@ -12,7 +12,7 @@ as a GEMV, so above :data:`KERNEL_MAX_ROWS` rows (prefill chunks, large verifica
 forwards) dequantising the weight once and running an fp32 GEMM is faster.
 
 This changes the target distribution (top-1 agreement vs fp32 is reported by
-``bench/int8_bench.py``), so it is never the default.
+``bench/quant_bench.py``), so it is never the default.
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
-"""Weight-only int8 target (``dtype="int8"``) vs fp32: top-1 agreement, KL and step time.
+"""Serving dtypes of the target vs fp32: top-1 agreement, KL and step time.
 
 Agreement is teacher-forced over the fp32 model's greedy continuations of eval prompts
 (first turns of mt-bench, gsm8k, humaneval in turn; chat template; up to ``--max-new``
 tokens, stopping at EOS): at every continuation position both models see the same
 prefix; agreement = fraction of positions whose argmax matches fp32's, KL = mean
-KL(p_fp32 ‖ p_int8) in nats. Prompts are prefilled in one forward and continuations
-fed in chunks of 16 tokens, so the int8 matmuls take the few-row kernel path that
-decoding uses (``runtime.models.quant.KERNEL_MAX_ROWS``). Also reported: how many
-greedy int8 continuations equal fp32's token for token, and where they first differ.
+KL(p_fp32 ‖ p_variant) in nats. Prompts are prefilled in one forward and continuations
+fed in chunks of ``--chunk`` tokens (16 by default, so int8's matmuls take the few-row
+kernel path decoding uses, ``runtime.models.quant.KERNEL_MAX_ROWS``; use ``--chunk 1``
+for exactly the decode path, e.g. gguf's kernel rows ≤ 12). Also reported: how many
+greedy continuations equal fp32's token for token, and where they first differ.
 
-    PYTHONPATH=. .venv/bin/python bench/int8_bench.py [--prompts 30] [--max-new 128] \
-        [--threads 1] [--batch 1 4 16] [--steps 16] [--repeats 5]
+    PYTHONPATH=. .venv/bin/python bench/quant_bench.py [--variants int8 int8_fp32_head] \
+        [--prompts 30] [--max-new 128] [--chunk 16] [--threads 1] [--batch 1 4 16] [--steps 16] [--repeats 5]
 
 Prints JSON. Variants: ``int8`` (what ``dtype="int8"`` serves: int8 decoder projections
-and LM head) and ``int8_fp32_head`` (int8 projections, fp32 LM head). ms per decode step:
+and LM head), ``int8_fp32_head`` (int8 projections, fp32 LM head), ``bfloat16`` and
+``gguf`` (the GGUF's own Q4_1/Q8_0 blocks, ``runtime.models.gguf_weights``). ms per decode step:
 context 64, one new token per sequence and its logits, median over repeats with the
 variants interleaved (the machine is shared); with ``--threads 1`` the ``cpu`` clock (thread
 CPU time) is the one to compare on a loaded machine.
@@ -34,7 +36,12 @@ from runtime.models.loader import ensure_converted
 from runtime.models.quant import quantize_llama_
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
-CHUNK = 16
+VARIANTS = {
+    "int8": lambda mdir: load_llama(mdir, torch.int8),
+    "int8_fp32_head": lambda mdir: quantize_llama_(load_llama(mdir, torch.float32), lm_head=False),
+    "bfloat16": lambda mdir: load_llama(mdir, torch.bfloat16),
+    "gguf": lambda mdir: load_llama(mdir, "gguf"),
+}
 
 
 def eval_prompts(n: int) -> list[str]:
@@ -70,17 +77,17 @@ def greedy(model: LlamaModel, prompts: list[list[int]], max_new: int) -> list[li
             outs[i].append(tok)
 
 
-def teacher_forced_logits(model: LlamaModel, prompt: list[int], cont: list[int]) -> torch.Tensor:
+def teacher_forced_logits(model: LlamaModel, prompt: list[int], cont: list[int], chunk: int = 16) -> torch.Tensor:
     """fp32 logits ``[len(cont), vocab]``: row j predicts ``cont[j]`` from prompt + cont[:j]."""
     cache = model.new_cache(1, len(prompt) + len(cont) + 1)
     slot = cache.allocate()
     rows = [model.forward(torch.tensor(prompt), [SeqSpan(slot, 0, len(prompt))], cache,
                           torch.tensor([len(prompt) - 1])).logits]
     fed = cont[:-1]
-    for a in range(0, len(fed), CHUNK):
-        chunk = fed[a : a + CHUNK]
-        rows.append(model.forward(torch.tensor(chunk), [SeqSpan(slot, len(prompt) + a, len(chunk))], cache,
-                                  torch.arange(len(chunk))).logits)
+    for a in range(0, len(fed), chunk):
+        part = fed[a : a + chunk]
+        rows.append(model.forward(torch.tensor(part), [SeqSpan(slot, len(prompt) + a, len(part))], cache,
+                                  torch.arange(len(part))).logits)
     return torch.cat(rows)
 
 
@@ -91,17 +98,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def quality(ref: LlamaModel, variants: dict[str, LlamaModel], prompts: list[list[int]], max_new: int) -> dict:
+def quality(ref: LlamaModel, variants: dict[str, LlamaModel], prompts: list[list[int]], max_new: int,
+            chunk: int = 16) -> dict:
     conts = greedy(ref, prompts, max_new)
     stats = {k: {"agree": 0, "kl": 0.0, "gaps": []} for k in variants}
     positions = 0
     for prompt, cont in zip(prompts, conts):
-        lr = teacher_forced_logits(ref, prompt, cont)
+        lr = teacher_forced_logits(ref, prompt, cont, chunk)
         positions += lr.shape[0]
         lp_ref = lr.log_softmax(-1)
         top2 = lr.topk(2, dim=-1).values
         for k, m in variants.items():
-            lq = teacher_forced_logits(m, prompt, cont)
+            lq = teacher_forced_logits(m, prompt, cont, chunk)
             same = lq.argmax(-1) == lr.argmax(-1)
             stats[k]["agree"] += int(same.sum())
             stats[k]["kl"] += float((lp_ref.exp() * (lp_ref - lq.log_softmax(-1))).sum())
@@ -153,7 +161,9 @@ def step_ms(models: dict[str, LlamaModel], batches: list[int], steps: int, repea
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["int8", "int8_fp32_head"])
     ap.add_argument("--prompts", type=int, default=30)
+    ap.add_argument("--chunk", type=int, default=16, help="continuation tokens per teacher-forced forward")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
@@ -167,14 +177,14 @@ def main() -> None:
     mdir = ensure_converted()
     tok = AutoTokenizer.from_pretrained(str(mdir))
     ref = load_llama(mdir, torch.float32)
-    variants = {"int8": load_llama(mdir, torch.int8),
-                "int8_fp32_head": quantize_llama_(load_llama(mdir, torch.float32), lm_head=False)}
+    variants = {name: VARIANTS[name](mdir) for name in a.variants}
     out: dict = {"threads": a.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "torch": torch.__version__}
     if not a.skip_quality:
         prompts = [chat_ids(tok, p) for p in eval_prompts(a.prompts)]
         t = time.perf_counter()
-        out["quality"] = {"prompts": len(prompts), "max_new": a.max_new, **quality(ref, variants, prompts, a.max_new)}
+        out["quality"] = {"prompts": len(prompts), "max_new": a.max_new, "chunk": a.chunk,
+                          **quality(ref, variants, prompts, a.max_new, a.chunk)}
         out["quality"]["seconds"] = round(time.perf_counter() - t, 1)
     out["ms_per_step"] = step_ms({"float32": ref, **variants}, a.batch, a.steps, a.repeats)
     print(json.dumps(out, indent=2))

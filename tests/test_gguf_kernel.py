@@ -13,7 +13,7 @@ import torch
 from runtime.kernels import gguf_cpu
 from runtime.kernels.gguf_cpu import Q4_1, Q8_0, dequantize, reference_linear
 from runtime.models import gguf_weights
-from runtime.models.gguf_weights import KERNEL_MAX_ROWS, GgufLinear, unpermute_rows
+from runtime.models.gguf_weights import GgufLinear, unpermute_rows
 
 needs_kernel = pytest.mark.skipif(not gguf_cpu.cpu_supports_kernel(), reason="CPU without AVX512-BF16")
 
@@ -55,7 +55,7 @@ def test_unpermute_rows_inverts_llama_cpp_permutation():
 
 @needs_kernel
 @pytest.mark.parametrize("qtype,n,k", [(Q4_1, 960, 576), (Q4_1, 576, 1536), (Q4_1, 48, 64), (Q8_0, 4096, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
 def test_kernel_equals_exact_reference(qtype, n, k, rows):
     blocks = random_blocks(qtype, n, k, seed=rows)
     tiles = gguf_cpu.repack(blocks, qtype, n, k)
@@ -98,11 +98,15 @@ def test_gguf_linear_uses_the_kernel_for_few_rows_and_the_dense_copy_beyond():
     exact = dequantize(blocks, Q4_1, 32, 64)
     # A dense copy that differs visibly from the blocks tells the two paths apart.
     lin = GgufLinear(blocks, Q4_1, 32, 64, dense=(exact + 1).to(torch.bfloat16), out_dtype=torch.float32)
-    x = torch.randn(KERNEL_MAX_ROWS + 1, 64)
-    few = lin(x[:KERNEL_MAX_ROWS])
-    torch.testing.assert_close(few, x[:KERNEL_MAX_ROWS].to(torch.bfloat16).float() @ exact.T, rtol=1e-5, atol=1e-5)
-    many = lin(x)
-    assert (many[:KERNEL_MAX_ROWS] - few).abs().min() > 0.1  # the +1 copy was used
+    rows = lin.max_rows
+    assert rows == gguf_weights.kernel_max_rows() >= 12
+    x = torch.randn(rows + 1, 64)
+    few = lin(x[:rows])
+    torch.testing.assert_close(few, x[:rows].to(torch.bfloat16).float() @ exact.T, rtol=1e-5, atol=1e-5)
+    many = lin(x)  # one row more: the (+1) dense copy, a bf16 GEMM
+    dense = torch.nn.functional.linear(x.to(torch.bfloat16), lin.dense).float()
+    torch.testing.assert_close(many, dense, rtol=0, atol=0)
+    assert (many[:rows] - few).abs().max() > 1.0
 
 
 @pytest.mark.model
@@ -148,7 +152,6 @@ def test_gguf_model_is_closer_to_fp32_than_bf16(target_fp32, model_dir, tokenize
 
     assert kl("gguf") < kl("bf16"), (kl("gguf"), kl("bf16"))
     assert (logits["gguf"].argmax(-1) == logits["fp32"].argmax(-1)).float().mean() >= 0.95
-    assert gguf_weights.KERNEL_MAX_ROWS >= 1
 
 
 def tiny_gguf_model(seed: int = 0):

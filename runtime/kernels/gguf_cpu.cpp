@@ -35,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -50,6 +52,11 @@ constexpr int64_t QTYPE_Q8_0 = 8;
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 16
 #endif
+
+int64_t& amx_min_rows() {  // 0: AMX off (default until Python enables it on an AMX CPU)
+  static int64_t rows = 0;
+  return rows;
+}
 
 constexpr int64_t tile_bytes(int64_t qtype) { return qtype == QTYPE_Q4_1 ? 256 + 32 + 32 : 512 + 32; }
 
@@ -144,12 +151,94 @@ void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* 
   }
 }
 
+// ---- AMX path for many rows ------------------------------------------------------------
+// Above a few rows the VDPBF16PS path pays one instruction per row per 32 weights. With AMX
+// one TDPBF16PS multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k):
+// the tile's k-pair registers are exactly the B operand's VNNI rows. Per group the 16x16
+// fp32 product is stored and scaled by d (and Q4_1's m * sum x) into the accumulators,
+// which keeps the weights exact as above.
+
+struct TileConfig {  // the LDTILECFG memory layout (palette 1)
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+template <int64_t QTYPE>
+void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                     int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t G = K / QK;
+  const int64_t tb = tile_bytes(QTYPE);
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(M);  // C: M x 16 fp32, A: M x 32 bf16
+  cfg.rows[2] = 16;                                      // B: 16 k-pairs x 32 bf16
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t bbuf[16 * 32];
+  alignas(64) float cbuf[16 * 16];
+  const __m512i lut = nibble_lut();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 acc[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * G * tb;
+    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, tile += tb) {
+      for (int64_t off = 0; off < tb; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
+      if (QTYPE == QTYPE_Q4_1) {
+        for (int c = 0; c < 8; ++c) {
+          __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
+          _mm512_store_si512(bbuf + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
+          _mm512_store_si512(bbuf + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+        }
+      } else {
+        for (int c = 0; c < 16; ++c) _mm512_store_si512(bbuf + 32 * c, q8_to_bf16(tile + 32 * c));
+      }
+      _tile_zero(0);
+      _tile_loadd(1, x + g * QK, K * 2);
+      _tile_loadd(2, bbuf, 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_stored(0, cbuf, 64);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
+      if (QTYPE == QTYPE_Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+        for (int64_t r = 0; r < M; ++r)
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]));
+      } else {
+        for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    }
+  }
+  _tile_release();
+}
+
 // All M rows against tiles [t0, t1), in row chunks of 8/4/2/1 per tile (its bytes stay in
 // L1 between chunks).
 template <int64_t QTYPE>
 void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
-                    int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+                    int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, bool amx) {
   const int64_t G = K / QK;
+  if (amx) {  // 16-row chunks through the tile unit; the weights of [t0, t1) stay in L2 between chunks
+    for (int64_t i = 0; i < M; i += 16)
+      tile_kernel_amx<QTYPE>(x + i * K, xsum != nullptr ? xsum + i * G : nullptr, w, y_f32 != nullptr ? y_f32 + i * N : nullptr,
+                             y_bf16 != nullptr ? y_bf16 + i * N : nullptr, std::min<int64_t>(16, M - i), N, K, t0, t1);
+    return;
+  }
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t i = 0; i < M;) {
       const uint16_t* xi = x + i * K;
@@ -203,21 +292,26 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   const int64_t T = N / TN;
   auto& pool = sparkgate::WorkPool::instance();
   const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
+  const bool amx = M >= amx_min_rows() && amx_usable();
   pool.run((T + per - 1) / per, [&](int64_t c) {
     const int64_t t0 = c * per, t1 = std::min(T, t0 + per);
-    if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1);
-    else tiles_all_rows<QTYPE_Q8_0>(xp, xs, wp, yf, yb, M, N, K, t0, t1);
+    if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);
+    else tiles_all_rows<QTYPE_Q8_0>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);
   });
   return y;
 }
 
 void set_kernel_threads(int64_t n) { sparkgate::WorkPool::instance().set_threads(static_cast<int>(n)); }
 
+// Rows from which gguf_linear uses AMX (0: never). Set from Python where the CPU has it.
+void set_amx_min_rows(int64_t rows) { amx_min_rows() = rows; }
+
 int64_t kernel_threads() { return sparkgate::WorkPool::instance().threads(); }
 
 TORCH_LIBRARY(sparkgate, m) {
   m.def("gguf_linear(Tensor x, Tensor tiles, int qtype, int N, int K, ScalarType out_dtype) -> Tensor");
   m.def("set_kernel_threads(int n) -> ()", &set_kernel_threads);
+  m.def("set_amx_min_rows(int rows) -> ()", &set_amx_min_rows);
   m.def("kernel_threads() -> int", &kernel_threads);
 }
 

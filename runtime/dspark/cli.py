@@ -33,8 +33,8 @@ def _add_regen(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--shard-size", type=int, default=64)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="target dtype; auto: bf16 on CPUs with native bf16 matmuls, else fp32 (recorded per shard)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "gguf", "bfloat16", "float32"],
+                   help="target dtype; auto: as served (runtime.config.resolve_dtype; recorded per shard)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster than 2 on a contended "
                    "2-core box: no OpenMP spin-waits)")
     p.add_argument("--no-progress", action="store_true")

@@ -40,6 +40,17 @@ def _add_regen(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+TARGET_DTYPES = ["auto", "gguf", "bfloat16", "float32"]
+
+
+def _target_dtype(name: str):
+    """A CLI dtype name → what ``load_llama`` takes (``"auto"`` resolved as the server does)."""
+    from runtime.config import resolve_dtype
+    from runtime.engine import DTYPES
+
+    return DTYPES[resolve_dtype(name)]
+
+
 def _stop_on_sigterm() -> None:
     """SIGTERM → KeyboardInterrupt, so a background run (where SIGINT is ignored) still
     writes its completed responses / checkpoint before exiting."""
@@ -127,7 +138,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--data", default=str(DEFAULT_OUT))
     p.add_argument("--max-samples", type=int, default=100, help="held-out prompts to use")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
     p.add_argument("--dry-run", action="store_true", help="print, do not write the checkpoint")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-progress", action="store_true")
@@ -140,7 +151,7 @@ def _run_calibrate(a) -> int:
 
     torch.set_num_threads(a.threads)
     r = calibrate_sts(a.checkpoint, a.data, max_samples=a.max_samples, max_new_tokens=a.max_new_tokens,
-                      dtype=getattr(torch, a.dtype), write=not a.dry_run, progress=not a.no_progress)
+                      dtype=_target_dtype(a.dtype), write=not a.dry_run, progress=not a.no_progress)
     print(json.dumps(r, indent=2))
     return 0
 
@@ -157,7 +168,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
     p.add_argument("--report", default="docs/drafter-eval", help="writes REPORT.md, REPORT-tau.png, "
                    "REPORT-position.png, REPORT.json")
     p.add_argument("--title", default="Drafter τ (DeepSpec protocol)")
@@ -178,7 +189,7 @@ def _run_eval(a) -> int:
 
     torch.set_num_threads(a.threads)
     mdir = ensure_converted()
-    target, tok = load_llama(mdir, getattr(torch, a.dtype)), load_tokenizer(mdir)
+    target, tok = load_llama(mdir, _target_dtype(a.dtype)), load_tokenizer(mdir)
     methods = []
     if a.checkpoint:
         methods.append(DrafterMethod("dspark", load_drafter(a.checkpoint, target)))

@@ -122,7 +122,7 @@ def run_engine(
             if progress:
                 progress(1)
 
-    dtype = "float32" if next(model.parameters()).dtype == torch.float32 else "bfloat16"
+    dtype = model.serving_dtype
     max_ctx = max(len(p) for p in prompts) + max_new_tokens + 16
     cfg = EngineConfig(**{"dtype": dtype, "max_batch_size": max_batch_size, "max_context": max_ctx,
                           "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": torch.get_num_threads(), **engine_kw})
@@ -572,7 +572,7 @@ def calibrate_sts(
     *,
     max_samples: int = 100,
     max_new_tokens: int = 256,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     target=None,
     tokenizer=None,
     write: bool = True,
@@ -649,7 +649,7 @@ def calibrate_sts(
         "temperatures": [round(t, 5) for t in res.temperatures],
         "ece_before": [round(x, 5) for x in res.ece_before], "ece_after": [round(x, 5) for x in res.ece_after],
         "n_valid": list(res.n_valid), "mean_accepted_per_anchor": round(float(np.concatenate(acc).mean()), 4),
-        "labels": "T=0 greedy, all anchors", "max_new_tokens": max_new_tokens, "dtype": str(dtype),
+        "labels": "T=0 greedy, all anchors", "max_new_tokens": max_new_tokens, "dtype": target.serving_dtype,
     }  # fmt: skip
     if write:
         cfg_path = ckpt / "config.json"

@@ -297,7 +297,7 @@ def sps_cache_key(config: "EngineConfig", model: "LlamaModel", speculator: "Spec
     device = model.embed_tokens.weight.device
     return sps_mod.cache_key(
         model=MODEL_NAME,
-        dtype=str(model.dtype).replace("torch.", ""),
+        dtype=model.serving_dtype,
         device=f"{device.type}:{_device_name(device)}",
         num_threads=torch.get_num_threads(),
         engine_version=engine_version(),

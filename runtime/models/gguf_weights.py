@@ -173,6 +173,7 @@ def attach_gguf_(model, path: str | Path):
     model.lm_head_quant = GgufLinear(get(head, gguf_cpu.Q8_0), gguf_cpu.Q8_0, *model.lm_head_weight.shape,
                                      dense=model.lm_head_weight, out_dtype=torch.float32)
     model.embed_quant = QuantEmbedding(get("token_embd.weight", gguf_cpu.Q8_0), gguf_cpu.Q8_0, cfg.hidden_size)
+    model.weights_format = "gguf"
     if gguf_cpu.kernel_available():
         model.fused_layer = fused_layer_
         model.fused_max_rows = FUSED_MAX_ROWS

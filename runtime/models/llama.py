@@ -345,6 +345,9 @@ class LlamaModel(nn.Module):
         # A quantised copy of the head, if any: Int8Linear (runtime.models.quant, dtype int8)
         # or the GGUF's Q8_0 rows (runtime.models.gguf_weights, dtype gguf).
         self.lm_head_quant: nn.Module | None = None
+        # What the weights are, when the parameter dtype does not say it: "int8"
+        # (runtime.models.quant) or "gguf" (runtime.models.gguf_weights); None → the dtype.
+        self.weights_format: str | None = None
         # dtype gguf (runtime.models.gguf_weights): exact fp32 embedding rows, and the fused
         # C++ decoder layer used for forwards of up to fused_max_rows tokens.
         self.embed_quant: nn.Module | None = None
@@ -357,6 +360,11 @@ class LlamaModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def serving_dtype(self) -> str:
+        """The engine's dtype name for this model: ``"gguf"``, ``"int8"``, ``"bfloat16"``, …"""
+        return self.weights_format or str(self.dtype).replace("torch.", "")
 
     def new_cache(self, num_slots: int, max_len: int, device: str | torch.device = "cpu") -> KVCache:
         c = self.cfg

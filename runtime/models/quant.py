@@ -114,4 +114,5 @@ def quantize_llama_(model, lm_head: bool = True):
         mlp.gate_up_proj = Int8Linear.from_linear(mlp.gate_up_proj)
         mlp.down_proj = Int8Linear.from_linear(mlp.down_proj)
     model.lm_head_quant = Int8Linear(model.lm_head_weight, keep_float=True) if lm_head else None
+    model.weights_format = "int8"
     return model

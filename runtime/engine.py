@@ -87,7 +87,7 @@ class LLMEngine:
         if model is None or tokenizer is None:
             model_dir = ensure_converted()
         self.model = model if model is not None else load_llama(model_dir, DTYPES[config.dtype])
-        if getattr(self.model, "fused_layer", None) is not None:
+        if getattr(self.model, "fused_forward", None) is not None:
             self._use_kernel_threads(config.num_threads or os.cpu_count() or 1)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.model_name = MODEL_NAME

@@ -1,4 +1,4 @@
-// One Llama decoder layer for a few tokens, in one call (torch.ops.sparkgate.decoder_layer_).
+// The Llama decoder layers for a few tokens, in one call (torch.classes.sparkgate.FusedModel).
 //
 // A batch-1 decode step of the 135M target is 30 layers x ~45 small torch ops; on a 2-core
 // CPU their dispatch costs more than the layer's arithmetic. This op runs the whole layer
@@ -24,11 +24,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -97,6 +101,75 @@ inline void rope(float* v, const float* c, const float* s, int64_t D) {
   }
 }
 
+// exp(s_j - max) in place over n scores; returns their sum (the caller divides).
+float softmax_unnormalised(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  __m512 sum16 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(s + j, p);
+    sum16 = _mm512_add_ps(sum16, p);
+  }
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (; j < n; ++j) {
+    s[j] = exp_scalar(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
+struct AttnTileConfig {  // LDTILECFG layout, palette 1
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_attention_usable() {  // the same permission request as gguf_cpu.cpp (idempotent)
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return gguf_amx_enabled() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Scores of `group` query heads (bf16 rows of D = 64) against keys [0, 16 * floor(n / 16)):
+// per block of 16 keys, C[key][head] = K_block (16 x 32 dims, straight from the cache) x
+// Q^T (32 dims as VNNI pairs x heads), twice for the two halves of D. Writes
+// score[h * stride + j] (scaled) and returns the number of keys done.
+int64_t qk_amx(const at::BFloat16* q, const at::BFloat16* k, int64_t n, int64_t group, float scale, float* score,
+               int64_t stride) {
+  constexpr int64_t D = 64;
+  const int64_t blocks = n / 16;
+  if (blocks == 0) return 0;
+  AttnTileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t qb[2][16 * 32] = {};  // [half][dim pair][head, 2 dims]
+  const uint16_t* qs = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t d = 0; d < D; ++d) qb[d / 32][((d % 32) / 2) * 32 + 2 * h + (d % 2)] = qs[h * D + d];
+  alignas(64) float c[16 * 16];
+  for (int64_t b = 0; b < blocks; ++b) {
+    _tile_zero(0);
+    _tile_loadd(1, k + b * 16 * D, D * 2);
+    _tile_loadd(2, qb[0], 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, k + b * 16 * D + 32, D * 2);
+    _tile_loadd(2, qb[1], 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, c, 64);
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t h = 0; h < group; ++h) score[h * stride + b * 16 + i] = c[i * 16 + h] * scale;
+  }
+  _tile_release();
+  return blocks * 16;
+}
+
 // Attention of M rows (see the file comment). qkv fp32 [M, (H + 2 KVH) D] is RoPE'd in
 // place; returns bf16 [M, H D].
 at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
@@ -131,48 +204,58 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   at::Tensor out = at::empty({M, H * D}, qkv.options().dtype(at::kBFloat16));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / KVH;
-  const int64_t DV = D / 16;  // zmm per head vector (D % 16 == 0, checked)
-  sparkgate::WorkPool::instance().run(M * H, [&](int64_t idx) {
-    thread_local std::vector<float> score;
-    if (static_cast<int64_t>(score.size()) < L + 16) score.resize(L + 16);
-    __m512 q[8], o[8];
-    {
-      const int64_t r = idx / H, h = idx % H, g = h / group;
-      const int64_t n = positions[r] + 1, slot = slots[r];
-      for (int64_t v = 0; v < DV; ++v) q[v] = _mm512_mul_ps(bf16x16_to_f32(qbp + (r * H + h) * D + 16 * v), _mm512_set1_ps(scale));
-      const at::BFloat16* krow = cache_row(kp, slot, g, 0);
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        __m512 acc = _mm512_mul_ps(q[0], bf16x16_to_f32(krow + j * D));
-        for (int64_t v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(q[v], bf16x16_to_f32(krow + j * D + 16 * v), acc);
-        const float s = _mm512_reduce_add_ps(acc);
-        score[j] = s;
-        mx = s > mx ? s : mx;
+  const int64_t group = H / KVH;  // query heads per kv head (GQA)
+  const int64_t DV = D / 16;      // zmm per head vector (D % 32 == 0, checked)
+  const bool amx = amx_attention_usable() && D == 64 && group <= 16;
+  // One task per (row, kv head): its query heads share every K/V load. With few rows that
+  // is fewer tasks than threads x 2, so each kv head's query heads get a task each instead.
+  auto& pool = sparkgate::WorkPool::instance();
+  const int64_t per_task = M * KVH >= 2 * pool.threads() ? group : 1;  // query heads per task
+  const int64_t tasks_per_row = H / per_task;
+  pool.run(M * tasks_per_row, [&](int64_t task) {
+    const int64_t r = task / tasks_per_row, h0 = (task % tasks_per_row) * per_task, g = h0 / group;
+    const int64_t n = positions[r] + 1, slot = slots[r];
+    const int64_t hn = per_task;
+    thread_local std::vector<float> score;  // [hn][n]
+    if (static_cast<int64_t>(score.size()) < hn * (L + 16)) score.resize(hn * (L + 16));
+    const int64_t stride = L + 16;
+    const at::BFloat16* krow = cache_row(kp, slot, g, 0);
+    const at::BFloat16* vrow = cache_row(vp, slot, g, 0);
+    const at::BFloat16* qh0 = qbp + (r * H + h0) * D;  // this task's query heads, bf16
+    int64_t j = 0;
+    if (amx) j = qk_amx(qh0, krow, n, hn, scale, score.data(), stride);
+    for (int64_t h = 0; h < hn; ++h) {  // the keys AMX did not cover (all, without AMX)
+      __m512 q[8];
+      for (int64_t v = 0; v < DV; ++v) q[v] = _mm512_mul_ps(bf16x16_to_f32(qh0 + h * D + 16 * v), _mm512_set1_ps(scale));
+      for (int64_t jj = j; jj < n; ++jj) {
+        __m512 acc = _mm512_mul_ps(q[0], bf16x16_to_f32(krow + jj * D));
+        for (int64_t v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(q[v], bf16x16_to_f32(krow + jj * D + 16 * v), acc);
+        score[h * stride + jj] = _mm512_reduce_add_ps(acc);
       }
-      __m512 sum16 = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= n; j += 16) {
-        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(score.data() + j), _mm512_set1_ps(mx)));
-        _mm512_storeu_ps(score.data() + j, p);
-        sum16 = _mm512_add_ps(sum16, p);
-      }
-      float sum = _mm512_reduce_add_ps(sum16);
-      for (; j < n; ++j) {
-        score[j] = exp_scalar(score[j] - mx);
-        sum += score[j];
-      }
-      for (int64_t v = 0; v < DV; ++v) o[v] = _mm512_setzero_ps();
-      const at::BFloat16* vrow = cache_row(vp, slot, g, 0);
+    }
+    float inv_sum[16];
+    for (int64_t h = 0; h < hn; ++h) inv_sum[h] = 1.f / softmax_unnormalised(score.data() + h * stride, n);
+    __m512 o[16][4];  // [head][D/16], D <= 64 here or the loop below covers DV <= 4 per pass
+    for (int64_t v0 = 0; v0 < DV; v0 += 4) {
+      const int64_t nv = std::min<int64_t>(4, DV - v0);
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t v = 0; v < nv; ++v) o[h][v] = _mm512_setzero_ps();
       for (int64_t jj = 0; jj < n; ++jj) {
-        const __m512 p = _mm512_set1_ps(score[jj]);
-        for (int64_t v = 0; v < DV; ++v) o[v] = _mm512_fmadd_ps(p, bf16x16_to_f32(vrow + jj * D + 16 * v), o[v]);
+        __m512 vv[4];
+        for (int64_t v = 0; v < nv; ++v) vv[v] = bf16x16_to_f32(vrow + jj * D + 16 * (v0 + v));
+        for (int64_t h = 0; h < hn; ++h) {
+          const __m512 p = _mm512_set1_ps(score[h * stride + jj]);
+          for (int64_t v = 0; v < nv; ++v) o[h][v] = _mm512_fmadd_ps(p, vv[v], o[h][v]);
+        }
       }
-      const __m512 inv = _mm512_set1_ps(1.f / sum);
-      alignas(64) float tmp[16];
-      for (int64_t v = 0; v < DV; ++v) {
-        _mm512_store_ps(tmp, _mm512_mul_ps(o[v], inv));
-        for (int k = 0; k < 16; ++k) op[(r * H + h) * D + 16 * v + k] = at::BFloat16(tmp[k]);
+      for (int64_t h = 0; h < hn; ++h) {
+        alignas(64) float tmp[16];
+        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+        at::BFloat16* dst = op + (r * H + h0 + h) * D + 16 * v0;
+        for (int64_t v = 0; v < nv; ++v) {
+          _mm512_store_ps(tmp, _mm512_mul_ps(o[h][v], inv));
+          for (int k = 0; k < 16; ++k) dst[16 * v + k] = at::BFloat16(tmp[k]);
+        }
       }
     }
   });
@@ -203,43 +286,82 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu, int64_t I) {
 
 }  // namespace
 
-void decoder_layer_(at::Tensor x, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                    const at::Tensor& qkv_tiles, const at::Tensor& qkv_dense, const at::Tensor& o_tiles,
-                    const at::Tensor& o_dense, const at::Tensor& gu_tiles, const at::Tensor& gu_dense,
-                    const at::Tensor& down_tiles, const at::Tensor& down_dense, int64_t qtype,
-                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slots, const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t kernel_max_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "decoder_layer_: x must be contiguous fp32 [M, d]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
-              "decoder_layer_: caches must be contiguous bf16 [slots, kv_heads, len, head_dim]");
-  const int64_t M = x.size(0), D = k_cache.size(3);
-  TORCH_CHECK(D % 16 == 0 && D <= 128 && num_heads % num_kv_heads == 0 && k_cache.size(1) == num_kv_heads,
-              "decoder_layer_: unsupported attention geometry");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.numel() == M &&
-                  positions.numel() == M && slots.is_contiguous() && positions.is_contiguous(),
-              "decoder_layer_: slots and positions must be contiguous int64 [M]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(1) == D,
-              "decoder_layer_: rotary tables must be fp32 [max_position, head_dim]");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; ++r) TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(0), "decoder_layer_: bad slot");
-  if (M == 0) return;
-  at::Tensor qkv = project(rms_norm_bf16(x, ln1, eps), qkv_tiles, qtype, qkv_dense, kernel_max_rows);
-  at::Tensor attn = attend(qkv, cos, sin, k_cache, v_cache, sl, positions.data_ptr<int64_t>(), num_heads,
-                           num_kv_heads, D);
-  x.add_(project(attn, o_tiles, qtype, o_dense, kernel_max_rows));
-  at::Tensor gu = project(rms_norm_bf16(x, ln2, eps), gu_tiles, qtype, gu_dense, kernel_max_rows);
-  x.add_(project(silu_mul_bf16(gu, gu.size(1) / 2), down_tiles, qtype, down_dense, kernel_max_rows));
-}
+// The target's layers, registered once (torch.classes.sparkgate.FusedModel), so a forward is
+// ONE call from Python whatever the number of layers (per-layer calls with ~20 arguments each
+// cost ~60 us of dispatch per layer, 1.8 ms of a 7 ms batch-1 step).
+struct FusedModel : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor ln1, ln2, qkv_t, qkv_d, o_t, o_d, gu_t, gu_d, down_t, down_d;
+  };
+  std::vector<Layer> layers;
+  double eps;
+  int64_t qtype, heads, kv_heads, kernel_max_rows;
+  at::Tensor cos, sin;
+
+  FusedModel(double eps_, int64_t qtype_, int64_t heads_, int64_t kv_heads_, int64_t kernel_max_rows_, at::Tensor cos_,
+             at::Tensor sin_)
+      : eps(eps_), qtype(qtype_), heads(heads_), kv_heads(kv_heads_), kernel_max_rows(kernel_max_rows_),
+        cos(std::move(cos_)), sin(std::move(sin_)) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 16,
+                "FusedModel: unsupported attention geometry");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                    cos.sizes() == sin.sizes() && cos.is_contiguous() && sin.is_contiguous(),
+                "FusedModel: rotary tables must be contiguous fp32 [max_position, head_dim]");
+  }
+
+  // Norm weights fp32 [d]; each projection as (tiles uint8, dense bf16 [out, in]).
+  void add_layer(at::Tensor ln1, at::Tensor ln2, at::Tensor qkv_t, at::Tensor qkv_d, at::Tensor o_t, at::Tensor o_d,
+                 at::Tensor gu_t, at::Tensor gu_d, at::Tensor down_t, at::Tensor down_d) {
+    TORCH_CHECK(ln1.scalar_type() == at::kFloat && ln2.scalar_type() == at::kFloat && ln1.is_contiguous() &&
+                    ln2.is_contiguous(), "FusedModel.add_layer: norm weights must be contiguous fp32");
+    layers.push_back({ln1, ln2, qkv_t, qkv_d, o_t, o_d, gu_t, gu_d, down_t, down_d});
+  }
+
+  // Runs every layer on the fp32 residual stream x [M, d] in place; K/V of the rows go into
+  // k_cache / v_cache ([layers, slots, kv_heads, len, head_dim] bf16) at (slots[r], positions[r]).
+  // Returns x after each layer in `taps` as fp32 [M, len(taps), d] (the drafter's features).
+  at::Tensor forward_(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor positions,
+                      std::vector<int64_t> taps) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "FusedModel.forward_: x must be contiguous fp32 [M, d]");
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 &&
+                    v_cache.is_contiguous() && k_cache.size(0) == static_cast<int64_t>(layers.size()) &&
+                    k_cache.size(2) == kv_heads,
+                "FusedModel.forward_: caches must be contiguous bf16 [layers, slots, kv_heads, len, head_dim]");
+    const int64_t M = x.size(0), D = k_cache.size(4);
+    TORCH_CHECK(D % 16 == 0 && D <= 128 && cos.size(1) == D, "FusedModel.forward_: unsupported head_dim ", D);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.numel() == M &&
+                    positions.numel() == M && slots.is_contiguous() && positions.is_contiguous(),
+                "FusedModel.forward_: slots and positions must be contiguous int64 [M]");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r) {
+      TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(1), "FusedModel.forward_: bad slot ", sl[r]);
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3) && pos[r] < cos.size(0), "FusedModel.forward_: position ",
+                  pos[r], " out of range");
+    }
+    for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(layers.size()), "FusedModel.forward_: bad tap");
+    at::Tensor tapped = at::empty({M, static_cast<int64_t>(taps.size()), x.size(1)}, x.options());
+    if (M == 0) return tapped;
+    for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
+      const Layer& L = layers[i];
+      at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
+      at::Tensor qkv = project(rms_norm_bf16(x, L.ln1, eps), L.qkv_t, qtype, L.qkv_d, kernel_max_rows);
+      at::Tensor attn = attend(qkv, cos, sin, kc, vc, sl, pos, heads, kv_heads, D);
+      x.add_(project(attn, L.o_t, qtype, L.o_d, kernel_max_rows));
+      at::Tensor gu = project(rms_norm_bf16(x, L.ln2, eps), L.gu_t, qtype, L.gu_d, kernel_max_rows);
+      x.add_(project(silu_mul_bf16(gu, gu.size(1) / 2), L.down_t, qtype, L.down_d, kernel_max_rows));
+      for (size_t j = 0; j < taps.size(); ++j)
+        if (taps[j] == i) tapped.select(1, static_cast<int64_t>(j)).copy_(x);
+    }
+    return tapped;
+  }
+};
 
 TORCH_LIBRARY_FRAGMENT(sparkgate, m) {
-  m.def("decoder_layer_(Tensor(a!) x, Tensor ln1, Tensor ln2, float eps, Tensor qkv_tiles, Tensor qkv_dense, "
-        "Tensor o_tiles, Tensor o_dense, Tensor gu_tiles, Tensor gu_dense, Tensor down_tiles, Tensor down_dense, "
-        "int qtype, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor positions, "
-        "int num_heads, int num_kv_heads, int kernel_max_rows) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(sparkgate, CPU, m) {
-  m.impl("decoder_layer_", &decoder_layer_);
+  m.class_<FusedModel>("FusedModel")
+      .def(torch::init<double, int64_t, int64_t, int64_t, int64_t, at::Tensor, at::Tensor>())
+      .def("add_layer", &FusedModel::add_layer)
+      .def("forward_", &FusedModel::forward_);
 }

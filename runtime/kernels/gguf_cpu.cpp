@@ -306,6 +306,8 @@ void set_kernel_threads(int64_t n) { sparkgate::WorkPool::instance().set_threads
 // Rows from which gguf_linear uses AMX (0: never). Set from Python where the CPU has it.
 void set_amx_min_rows(int64_t rows) { amx_min_rows() = rows; }
 
+bool gguf_amx_enabled() { return amx_min_rows() > 0; }
+
 int64_t kernel_threads() { return sparkgate::WorkPool::instance().threads(); }
 
 TORCH_LIBRARY(sparkgate, m) {

@@ -130,8 +130,8 @@ def attach_gguf_(model, path: str | Path):
     """Give a bf16 ``LlamaModel`` the GGUF's own weights, in place: Q4_1 projections, the
     Q8_0 LM head and embedding rows, and the F32 norm weights (exact, fp32; each layer's
     ``act_dtype`` stays bf16 for the matmul inputs and the KV cache). Where the kernel
-    runs, forwards of up to :data:`FUSED_MAX_ROWS` tokens go through the fused C++ layer
-    (:func:`fused_layer_`). The fused projections concatenate rows as the model does
+    runs, forwards of up to :data:`FUSED_MAX_ROWS` tokens go through the fused C++ layers
+    (:func:`fused_forward_`). The fused projections concatenate rows as the model does
     (q, k, v and gate, up). Returns ``model``.
 
     Raises:
@@ -175,30 +175,44 @@ def attach_gguf_(model, path: str | Path):
     model.embed_quant = QuantEmbedding(get("token_embd.weight", gguf_cpu.Q8_0), gguf_cpu.Q8_0, cfg.hidden_size)
     model.weights_format = "gguf"
     if gguf_cpu.kernel_available():
-        model.fused_layer = fused_layer_
+        model.fused_forward = fused_forward_
         model.fused_max_rows = FUSED_MAX_ROWS
     return model
 
 
-#: Forwards of up to this many tokens run each decoder layer as one C++ call
-#: (``torch.ops.sparkgate.decoder_layer_``); longer ones (prefill chunks) run the eager
-#: layer, whose attention (ATen's flash SDPA) is blocked for many queries.
+#: Forwards of up to this many tokens run all decoder layers in one C++ call
+#: (``torch.classes.sparkgate.FusedModel``); longer ones (prefill chunks) run the eager
+#: layers, whose attention (ATen's flash SDPA) is blocked for many queries.
 FUSED_MAX_ROWS = 64
 
 
-def fused_layer_(layer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Run one decoder layer of a GGUF model on the fp32 residual stream ``x [M, d]`` in
-    place, writing the rows' K/V into ``k_cache`` / ``v_cache`` (this layer's
-    ``[slots, kv_heads, len, head_dim]`` bf16 views) at ``(slots[r], positions[r])``;
-    row r attends to positions ``0..positions[r]`` of its slot. ``cos`` / ``sin``: fp32
-    ``[max_position, head_dim]`` rotary tables. Same math as the eager layer
-    (``runtime/kernels/fused_layer.cpp``)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    torch.ops.sparkgate.decoder_layer_(
-        x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-        attn.qkv_proj.tiles, attn.qkv_proj.dense, attn.o_proj.tiles, attn.o_proj.dense,
-        mlp.gate_up_proj.tiles, mlp.gate_up_proj.dense, mlp.down_proj.tiles, mlp.down_proj.dense,
-        attn.qkv_proj.qtype, cos, sin, k_cache, v_cache, slots, positions,
-        attn.num_heads, attn.num_kv_heads, attn.qkv_proj.max_rows,
-    )  # fmt: skip
+def fused_model(model):
+    """The C++ ``FusedModel`` holding ``model``'s layers (built on first use, cached on the
+    model; the tensors are shared, not copied)."""
+    fm = model.__dict__.get("_fused_model")
+    if fm is None:
+        l0 = model.layers[0].self_attn
+        fm = torch.classes.sparkgate.FusedModel(model.layers[0].input_layernorm.eps, l0.qkv_proj.qtype, l0.num_heads,
+                                                l0.num_kv_heads, l0.qkv_proj.max_rows, model.rotary.cos,
+                                                model.rotary.sin)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fm.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         attn.qkv_proj.tiles, attn.qkv_proj.dense, attn.o_proj.tiles, attn.o_proj.dense,
+                         mlp.gate_up_proj.tiles, mlp.gate_up_proj.dense, mlp.down_proj.tiles, mlp.down_proj.dense)
+        model.__dict__["_fused_model"] = fm
+    return fm
+
+
+def fused_forward_(model, x: torch.Tensor, cache, slots: torch.Tensor, positions: torch.Tensor,
+                   tap_layers=()) -> torch.Tensor:
+    """Run every decoder layer of a GGUF model on the fp32 residual stream ``x [M, d]`` in
+    place, writing the rows' K/V into ``cache`` at ``(slots[r], positions[r])``; row r
+    attends to positions ``0..positions[r]`` of its slot. Returns ``x`` after each layer
+    of ``tap_layers`` as fp32 ``[M, len(tap_layers), d]``. Same math as the eager layers
+    (``runtime/kernels/fused_layer.cpp``).
+
+    Raises:
+        RuntimeError: a slot or position outside the cache, or bad shapes.
+    """
+    return fused_model(model).forward_(x, cache.k, cache.v, slots, positions, list(tap_layers))

@@ -349,9 +349,9 @@ class LlamaModel(nn.Module):
         # (runtime.models.quant) or "gguf" (runtime.models.gguf_weights); None → the dtype.
         self.weights_format: str | None = None
         # dtype gguf (runtime.models.gguf_weights): exact fp32 embedding rows, and the fused
-        # C++ decoder layer used for forwards of up to fused_max_rows tokens.
+        # C++ decoder layers used for forwards of up to fused_max_rows tokens.
         self.embed_quant: nn.Module | None = None
-        self.fused_layer = None
+        self.fused_forward = None
         self.fused_max_rows = 0
         # > 0: torch intra-op threads for forwards that take the eager path (set by the
         # engine when the fused path runs with torch at 1 thread; see LLMEngine).
@@ -434,11 +434,10 @@ class LlamaModel(nn.Module):
         x = embed(input_ids).float().contiguous()
         taps: list[torch.Tensor] = []
         tap_set = {i: j for j, i in enumerate(tap_layers)}
-        if self.fused_layer is not None and len(input_ids) <= self.fused_max_rows:
-            for i, layer in enumerate(self.layers):  # one C++ call per layer, x updated in place
-                self.fused_layer(layer, x, cache.k[i], cache.v[i], slot_idx, positions, self.rotary.cos, self.rotary.sin)
-                if i in tap_set:
-                    taps.append(x.clone())
+        tap_tensor = None
+        if self.fused_forward is not None and len(input_ids) <= self.fused_max_rows:
+            # every layer in one C++ call, x updated in place
+            tap_tensor = self.fused_forward(self, x, cache, slot_idx, positions, tap_layers)
         else:
             plan = attention_plan(spans, device)
             cos, sin = self.rotary.tables(positions, self.dtype)
@@ -457,7 +456,10 @@ class LlamaModel(nn.Module):
 
         hidden = self.norm(x).to(self.dtype)
         logits = self.lm_head(hidden[logits_rows]) if logits_rows is not None else None
-        tap_tensor = torch.stack([taps[tap_set[i]] for i in tap_layers], dim=1) if tap_layers else None
+        if tap_tensor is None and tap_layers:
+            tap_tensor = torch.stack([taps[tap_set[i]] for i in tap_layers], dim=1)
+        elif not tap_layers:
+            tap_tensor = None
         return ForwardOutput(logits=logits, taps=tap_tensor, hidden=hidden)
 
 

@@ -16,6 +16,7 @@ for the DSpark drafter (paper §3.1: "context features").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -27,6 +28,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kv_cache import KVCache
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` torch intra-op threads, then restore the count (0: no change).
+
+    With the gguf dtype torch runs on one thread between the kernels (their own pool does
+    the parallel work, see ``LLMEngine``); eager work that is made of larger torch ops
+    (prefill chunks, drafting) gets the threads back for its duration."""
+    if n <= 0:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -441,16 +460,11 @@ class LlamaModel(nn.Module):
         else:
             plan = attention_plan(spans, device)
             cos, sin = self.rotary.tables(positions, self.dtype)
-            threads = torch.get_num_threads()
-            if self.eager_threads:
-                torch.set_num_threads(self.eager_threads)
-            try:
+            with torch_threads(self.eager_threads):
                 for i, layer in enumerate(self.layers):
                     x = layer(x, cos, sin, cache, plan, slot_idx, positions)
                     if i in tap_set:
                         taps.append(x)
-            finally:
-                torch.set_num_threads(threads)
         for s in spans:
             cache.lengths[s.slot] = s.start + s.num_new
 

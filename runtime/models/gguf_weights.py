@@ -7,10 +7,13 @@ them with :func:`runtime.kernels.gguf_cpu.gguf_linear`, whose weights are exact.
 batch-1 step then reads ~98 MB of weights instead of 310 MB.
 
 :func:`attach_gguf_` swaps a bf16 :class:`~runtime.models.llama.LlamaModel`'s
-projections for :class:`GgufLinear` modules and gives it a Q8_0 LM head. Each keeps
-the bf16 weight it replaces for forwards of more than :func:`kernel_max_rows` rows
-(prefill chunks), where oneDNN's bf16 GEMM beats unpacking the blocks. The embedding lookup, norms, rotary tables, KV cache (bf16)
-and the fp32 residual stream are the bf16 model's.
+projections for :class:`GgufLinear` modules, gives it a Q8_0 LM head and embedding and the
+file's F32 norms (all exact), and switches on the fused C++ decoder stack
+(:func:`fused_forward_`) for forwards of up to :data:`FUSED_MAX_ROWS` tokens. Each
+projection keeps the bf16 weight it replaces for forwards of more than
+:func:`kernel_max_rows` rows (prefill chunks), where oneDNN's bf16 GEMM beats unpacking the
+blocks. The rotary tables, the bf16 KV cache and the fp32 residual stream are the bf16
+model's.
 
 Row order: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
 RoPE layout; :func:`unpermute_rows` undoes it exactly as transformers' GGUF loader does,
@@ -35,6 +38,11 @@ from runtime.kernels import gguf_cpu
 #: (measured in docs/benchmarks.md, "GGUF-native weights").
 KERNEL_MAX_ROWS_AMX = 64
 KERNEL_MAX_ROWS = 12
+
+#: Forwards of up to this many tokens run all decoder layers in one C++ call
+#: (``torch.classes.sparkgate.FusedModel``); longer ones (prefill chunks) run the eager
+#: layers, whose attention (ATen's flash SDPA) is blocked for many queries.
+FUSED_MAX_ROWS = 64
 
 
 def kernel_max_rows() -> int:
@@ -178,12 +186,6 @@ def attach_gguf_(model, path: str | Path):
         model.fused_forward = fused_forward_
         model.fused_max_rows = FUSED_MAX_ROWS
     return model
-
-
-#: Forwards of up to this many tokens run all decoder layers in one C++ call
-#: (``torch.classes.sparkgate.FusedModel``); longer ones (prefill chunks) run the eager
-#: layers, whose attention (ATen's flash SDPA) is blocked for many queries.
-FUSED_MAX_ROWS = 64
 
 
 def fused_model(model):

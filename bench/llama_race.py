@@ -205,7 +205,10 @@ def main() -> None:
     ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama-cpp-python installed")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process Sparkgate engine at c=1")
-    ap.add_argument("--methods", nargs="+", default=["none", "dspark"], help="Sparkgate SPARKGATE_SPEC_METHOD values")
+    ap.add_argument("--methods", nargs="+", default=["none", "dspark"],
+                    help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup)")
+    ap.add_argument("--parallel-checkpoint", default=None,
+                    help="drafter checkpoint for method 'parallel' (the rank-0 ablation; default: random init)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=2, help="requests per client at each level")
     ap.add_argument("--c1-requests", type=int, default=8, help="requests at concurrency 1")
@@ -218,8 +221,11 @@ def main() -> None:
     prompts = load_prompts()
     contenders = []
     for method in args.methods:
-        name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark"}.get(method, f"Sparkgate {method}")
+        name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
+                "prompt_lookup": "Sparkgate prompt lookup"}.get(method, f"Sparkgate {method}")
         env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": method}
+        if method == "parallel" and args.parallel_checkpoint:
+            env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())
         levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
         contenders.append(run_sparkgate(name, env, prompts, levels, args.max_tokens))
     if not args.skip_in_process and 1 in args.concurrency:

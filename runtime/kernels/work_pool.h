@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -34,6 +35,7 @@ class WorkPool {
 
   // Total threads including the caller (>= 1). Changing it joins and restarts the helpers.
   void set_threads(int n) {
+    std::lock_guard<std::mutex> lock(run_mutex_);
     n = n < 1 ? 1 : n;
     if (n == threads_) return;
     stop_helpers();
@@ -45,9 +47,11 @@ class WorkPool {
   int threads() const { return threads_; }
 
   // Run f(i) for every i in [0, n), on the caller and the helpers; returns when all are done.
-  // f must not throw (check arguments before calling run).
+  // f must not throw (check arguments before calling run) nor call run itself. Calls from
+  // several threads are serialised (the engine makes them from one thread).
   void run(int64_t n, const std::function<void(int64_t)>& f) {
     if (n <= 0) return;
+    std::lock_guard<std::mutex> lock(run_mutex_);
     if (threads_ == 1 || n == 1) {
       for (int64_t i = 0; i < n; ++i) f(i);
       return;
@@ -122,6 +126,7 @@ class WorkPool {
   static constexpr int kSpins = 200000;  // ~0.1-1 ms of pause loops before sleeping
 
   int threads_ = 1;
+  std::mutex run_mutex_;
   std::vector<std::thread> helpers_;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;

@@ -31,10 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.config import resolve_dtype  # noqa: E402
 from runtime.dspark.config import DrafterConfig  # noqa: E402
 from runtime.dspark.drafter import DSparkDrafter  # noqa: E402
-from runtime.models.llama import SeqSpan, load_llama  # noqa: E402
+from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
 
 
@@ -60,9 +59,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, resolve_dtype(args.dtype))
-    target = load_llama(ensure_converted(), dtype)
+    target = load_target(ensure_converted(), args.dtype, args.threads)
+    dtype = target.serving_dtype
     drafter = DSparkDrafter(target, DrafterConfig(block_size=args.gamma)).eval()
     g = args.gamma
     rows = []
@@ -109,7 +107,7 @@ def main() -> None:
         row["draft_round_over_decode"] = round(row["draft_round_ms_by_slots"][g] / row["target_decode_ms"], 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    print(json.dumps({"benchmark": "drafting_cost", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+    print(json.dumps({"benchmark": "drafting_cost", "dtype": dtype, "threads": args.threads,
                       "gamma": g, "context": args.context, "cpu_count": os.cpu_count(), "rows": rows}, indent=2))
 
 

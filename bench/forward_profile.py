@@ -29,8 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.config import resolve_dtype  # noqa: E402
-from runtime.models.llama import SeqSpan, load_llama  # noqa: E402
+from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
 
 
@@ -76,11 +75,14 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, resolve_dtype(args.dtype))
-    model = load_llama(ensure_converted(), dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    weight_bytes += model.lm_head_weight.numel() * model.lm_head_weight.element_size()  # tied: read by the head
+    model = load_target(ensure_converted(), args.dtype, args.threads)
+    dtype = model.serving_dtype
+    if dtype == "gguf":  # the Q4_1 / Q8_0 tiles the kernels read, plus the norms
+        weight_bytes = sum(b.numel() for n, b in model.named_buffers() if n.endswith("tiles"))
+        weight_bytes += sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    else:
+        weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+        weight_bytes += model.lm_head_weight.numel() * model.lm_head_weight.element_size()  # tied: read by the head
     rows = []
     for B in args.batch:
         cache = model.new_cache(B, args.context + args.steps + 64)
@@ -110,7 +112,7 @@ def main() -> None:
             row.update(compare(step, cache, args.context))
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("batch", "ms_per_step", "tokens_per_s")}), file=sys.stderr)
-    print(json.dumps({"benchmark": "forward_profile", "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+    print(json.dumps({"benchmark": "forward_profile", "dtype": dtype, "threads": args.threads,
                       "context": args.context, "weight_mb": round(weight_bytes / 2**20, 1), "cpu_count": os.cpu_count(),
                       "rows": rows}, indent=2))
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import EngineConfig, resolve_dtype
+from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, load_tokenizer
 from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
-from runtime.models.llama import load_llama
+from runtime.models.llama import load_target
 from runtime.models.loader import ensure_converted
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt-bench.jsonl"
@@ -138,9 +138,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="completion tokens per shared-prompt request")
     ap.add_argument("--turn-tokens", type=int, default=64, help="completion tokens per conversation turn")
     a = ap.parse_args()
-    dtype = resolve_dtype(a.dtype)
     mdir = ensure_converted()
-    model = load_llama(mdir, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    model = load_target(mdir, a.dtype)  # the engine below applies its thread setup
+    dtype = model.serving_dtype
     tokenizer = load_tokenizer(mdir)
     bench = mt_bench()
     system = long_system_prompt(tokenizer, a.system_tokens)

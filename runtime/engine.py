@@ -36,6 +36,7 @@ from runtime.interface import (
     TextDelta,
     TokenLogprob,
 )
+from runtime.models.gguf_weights import use_kernel_threads
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import MODEL_NAME, ensure_converted
 from runtime.dspark.verifier import spec_round
@@ -87,8 +88,7 @@ class LLMEngine:
         if model is None or tokenizer is None:
             model_dir = ensure_converted()
         self.model = model if model is not None else load_llama(model_dir, DTYPES[config.dtype])
-        if getattr(self.model, "fused_forward", None) is not None:
-            self._use_kernel_threads(config.num_threads or os.cpu_count() or 1)
+        use_kernel_threads(self.model, config.num_threads or os.cpu_count() or 1)  # gguf: see its docstring
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.model_name = MODEL_NAME
         self.eos_token_id = self.model.cfg.eos_token_id
@@ -108,16 +108,6 @@ class LLMEngine:
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
         self._by_id: dict[str, Sequence] = {}
-
-    def _use_kernel_threads(self, threads: int) -> None:
-        """The gguf path's kernels share work on their own pool (runtime/kernels/work_pool.h):
-        unlike OpenMP it does not stall when the HTTP event loop or a client takes a core
-        for a moment (served batch-1 decode: 43 → ~90 tok/s on 2 cores, docs/benchmarks.md).
-        So torch itself runs on one thread (sampling, small ops: no OpenMP regions between
-        kernels) and gets ``threads`` back for eager forwards (prefill chunks)."""
-        torch.ops.sparkgate.set_kernel_threads(threads)
-        self.model.eager_threads = threads
-        torch.set_num_threads(1)
 
     # -- requests -----------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:

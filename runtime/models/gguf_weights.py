@@ -218,3 +218,20 @@ def fused_forward_(model, x: torch.Tensor, cache, slots: torch.Tensor, positions
         RuntimeError: a slot or position outside the cache, or bad shapes.
     """
     return fused_model(model).forward_(x, cache.k, cache.v, slots, positions, list(tap_layers))
+
+
+def use_kernel_threads(model, threads: int) -> None:
+    """Thread setup for a model on the fused gguf path (the engine and the benches call it).
+
+    The kernels share work on their own pool (``runtime/kernels/work_pool.h``): unlike
+    OpenMP it does not stall when the HTTP event loop or a client takes a core for a moment
+    (served batch-1 decode: 43 → ~90 tok/s on 2 cores, docs/benchmarks.md). So torch itself
+    runs on one thread (sampling, small ops: no OpenMP regions between kernels) and gets
+    ``threads`` back for eager forwards (prefill chunks, ``model.eager_threads``). A model
+    without the fused path is left alone.
+    """
+    if getattr(model, "fused_forward", None) is None:
+        return
+    torch.ops.sparkgate.set_kernel_threads(threads)
+    model.eager_threads = threads
+    torch.set_num_threads(1)

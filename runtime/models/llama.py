@@ -477,6 +477,30 @@ class LlamaModel(nn.Module):
         return ForwardOutput(logits=logits, taps=tap_tensor, hidden=hidden)
 
 
+def load_target(model_dir: str | Path, dtype: str = "auto", threads: int = 0) -> LlamaModel:
+    """Load the target by serving-dtype name, as the engine does: ``"auto"`` (resolved by
+    the CPU, :func:`runtime.config.resolve_dtype`), ``"gguf"``, ``"bfloat16"``, ``"float32"``
+    or ``"int8"``. ``threads > 0`` also applies the engine's thread setup
+    (:func:`runtime.models.gguf_weights.use_kernel_threads`) for benchmarks.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    from runtime.config import resolve_dtype
+
+    name = resolve_dtype(dtype)
+    by_name = {"gguf": "gguf", "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+    if name not in by_name:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(by_name)} or 'auto'")
+    model = load_llama(model_dir, by_name[name])
+    if threads > 0:
+        torch.set_num_threads(threads)
+        from runtime.models.gguf_weights import use_kernel_threads
+
+        use_kernel_threads(model, threads)
+    return model
+
+
 def _fuse_hf_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Map transformers Llama weight names onto ours (fused qkv and gate/up)."""
     out: dict[str, torch.Tensor] = {}

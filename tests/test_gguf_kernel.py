@@ -270,8 +270,7 @@ def test_engine_serves_gguf_greedy(model_dir, tokenizer):
     one-token-at-a-time argmax continuation (fused layer where the kernel runs)."""
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
-    from runtime.models.llama import SeqSpan
+    from tests.engine_checks import assert_engine_greedy_is_model_argmax
 
     events: dict[str, list] = {}
     engine = LLMEngine(EngineConfig(dtype="gguf", max_batch_size=2, max_context=256),
@@ -280,20 +279,4 @@ def test_engine_serves_gguf_greedy(model_dir, tokenizer):
     assert isinstance(m.layers[0].mlp.down_proj, GgufLinear) and m.lm_head_quant is not None
     assert (m.fused_forward is not None) == gguf_cpu.cpu_supports_kernel()
     prompts = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):\n    if n < 2:\n"]
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    for i, p in enumerate(ids):
-        engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0, max_tokens=8)))
-    while engine.has_work():
-        engine.step()
-    for i, p in enumerate(ids):
-        evs = events[str(i)]
-        assert isinstance(evs[-1], Finished)
-        tokens = [t for e in evs if isinstance(e, TextDelta) for t in e.token_ids]
-        cache = m.new_cache(1, 64)
-        slot = cache.allocate()
-        ref = []
-        out = m.forward(torch.tensor(p), [SeqSpan(slot, 0, len(p))], cache, torch.tensor([len(p) - 1]))
-        for _ in range(8):
-            ref.append(int(out.logits[-1].argmax()))
-            out = m.forward(torch.tensor(ref[-1:]), [SeqSpan(slot, len(p) + len(ref) - 1, 1)], cache, torch.tensor([0]))
-        assert tokens == ref
+    assert_engine_greedy_is_model_argmax(engine, events, [tokenizer(p)["input_ids"] for p in prompts])

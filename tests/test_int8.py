@@ -8,9 +8,9 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import SeqSpan, load_llama
 from runtime.models.quant import KERNEL_MAX_ROWS, Int8Linear, dequantize_int8, quantize_int8
+from tests.engine_checks import assert_engine_greedy_is_model_argmax
 
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is",
@@ -94,24 +94,5 @@ def test_engine_serves_int8_greedy(model_dir, tokenizer):
     engine = LLMEngine(EngineConfig(dtype="int8", max_batch_size=2, max_context=256),
                        lambda rid, ev: events.setdefault(rid, []).append(ev), tokenizer=tokenizer)
     assert isinstance(engine.model.layers[0].self_attn.qkv_proj, Int8Linear)
-    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    for i, p in enumerate(ids):
-        engine.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0, max_tokens=8)))
-    while engine.has_work():
-        engine.step()
-    for i, p in enumerate(ids):
-        evs = events[str(i)]
-        assert isinstance(evs[-1], Finished)
-        tokens = [t for e in evs if isinstance(e, TextDelta) for t in e.token_ids]
-        assert len(tokens) == 8 and "".join(e.text for e in evs if isinstance(e, TextDelta)).strip()
-        # The engine's greedy tokens are the int8 model's own argmax continuation.
-        m = engine.model
-        cache = m.new_cache(1, 64)
-        slot = cache.allocate()
-        ref, seq = [], list(p)
-        out = m.forward(torch.tensor(seq), [SeqSpan(slot, 0, len(seq))], cache, torch.tensor([len(seq) - 1]))
-        for _ in range(8):
-            ref.append(int(out.logits[-1].argmax()))
-            span = SeqSpan(slot, len(seq) + len(ref) - 1, 1)
-            out = m.forward(torch.tensor(ref[-1:]), [span], cache, torch.tensor([0]))
-        assert tokens == ref
+    # The engine's greedy tokens are the int8 model's own argmax continuation.
+    assert_engine_greedy_is_model_argmax(engine, events, [tokenizer(p)["input_ids"] for p in PROMPTS])

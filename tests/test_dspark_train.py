@@ -138,6 +138,22 @@ def test_training_forward_equals_serving_forward(target_fp32, teacher_batch, var
     assert checked >= 10
 
 
+def test_sample_anchors_of_a_sequence_with_no_response_stay_inside_it():
+    """A prompt cut at max_len fills the whole sequence: no valid anchor, and the placeholder
+    anchor must still index a token of it (a real crash at step ~59 of a 5,500-sequence run)."""
+    from runtime.dspark.features import TeacherBatch
+
+    prompt_lens, lengths = torch.tensor([768, 5, 3]), torch.tensor([768, 9, 3])
+    anchors, ok = sample_anchors(prompt_lens, lengths, 4, torch.Generator().manual_seed(0))
+    assert not ok[0].any() and not ok[2].any() and ok[1].sum() == 3  # anchors 5, 6, 7 of [5, 9 − 2]
+    assert (anchors < lengths[:, None]).all() and anchors[1, :3].tolist() == [5, 6, 7]
+    N, L, d = 3, 768, 4
+    tb = TeacherBatch(tokens=torch.randint(0, 50, (N, L)), lengths=lengths, prompt_lens=prompt_lens,
+                      taps=torch.zeros(N, L, 1, d), hidden=torch.zeros(N, L, d))
+    bt = block_targets(tb, anchors, ok, 7)
+    assert not bt.valid[0].any() and bt.valid[1].sum() == 3 + 2 + 1  # slots up to position 8
+
+
 @pytest.mark.model
 def test_block_targets_and_loss_terms(target_fp32, teacher_batch):
     tb = teacher_batch

@@ -98,14 +98,14 @@ def sample_anchors(
 
     Returns:
         ``(anchors, valid)``: int64 ``[N, A]`` positions sorted ascending (invalid
-        entries hold ``prompt_len``), bool ``[N, A]``.
+        entries hold ``min(prompt_len, L−1)``, an index inside the sequence), bool ``[N, A]``.
     """
     N = prompt_lens.numel()
     anchors = torch.zeros(N, num_anchors, dtype=torch.long)
     valid = torch.zeros(N, num_anchors, dtype=torch.bool)
     for i in range(N):
         lo, hi = int(prompt_lens[i]), int(lengths[i]) - 2  # inclusive range
-        anchors[i] = lo
+        anchors[i] = min(lo, int(lengths[i]) - 1)  # a prompt cut at max_len leaves no response
         n = hi - lo + 1
         if n <= 0:
             continue

@@ -142,12 +142,18 @@ class AsyncEngine:
                 cmd, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if cmd == "add":
-                self._pending_adds -= 1
-                if arg.request_id in self._queues:  # not already abandoned by the client
-                    self.engine.add_request(arg)
-            elif cmd == "abort":
-                self.engine.abort(arg)
+            try:
+                if cmd == "add":
+                    self._pending_adds -= 1
+                    if arg.request_id in self._queues:  # not already abandoned by the client
+                        self.engine.add_request(arg)
+                elif cmd == "abort":
+                    self.engine.abort(arg)
+            except Exception as exc:  # noqa: BLE001 — one bad request must not stop the engine thread
+                log.exception("engine refused a %s command", cmd)
+                if cmd == "add":
+                    self._emit(arg.request_id, Failed(f"the engine could not start the request: {type(exc).__name__}",
+                                                      "engine_error"))
 
     def _run_loop(self) -> None:
         while not self._stopping:

@@ -76,8 +76,9 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None) -> None:
-        if config.dtype == "auto":  # the default: bf16 where the CPU has native bf16, else fp32
+        if config.dtype == "auto":  # the default: gguf where its kernels run, else bf16 / fp32 by the CPU
             config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
+            log.info("dtype auto → %s", config.dtype)
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
         if config.num_threads > 0:
@@ -122,7 +123,8 @@ class LLMEngine:
             return
         room = self.config.max_context - n
         max_tokens = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
-        seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
+        # Any integer seeds a generator: torch takes 64-bit seeds, so reduce modulo 2^64.
+        seed = req.sampling.seed % (1 << 64) if req.sampling.seed is not None else random.getrandbits(63)
         now = time.monotonic()
         seq = Sequence(
             request=req,

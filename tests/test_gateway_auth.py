@@ -162,7 +162,7 @@ async def test_readyz_503_until_backend_ready_and_start_stop(db_url):
         assert backend.stopped
 
 
-async def test_readyz_reports_failed_start(db_url):
+async def test_readyz_reports_failed_start(db_url, api_key):
     backend = FakeBackend(start_error=RuntimeError("weights missing"))
     app = create_app(make_settings(db_url), backend)
     async with app.router.lifespan_context(app):
@@ -172,6 +172,11 @@ async def test_readyz_reports_failed_start(db_url):
             r = await c.get("/readyz")
             assert r.status_code == 503 and r.json()["status"] == "failed" and "weights missing" in r.json()["error"]
             assert (await c.get("/healthz")).status_code == 200
+            # generation answers 503 saying the start failed (not "still loading", not a 500)
+            r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {api_key}"},
+                             json={"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+            assert "failed to start" in r.json()["error"]["message"]
 
 
 ORIGIN = "https://ui.example"

@@ -225,10 +225,20 @@ async def test_queue_full_503_with_retry_after(client, auth, backend, lazy, stre
     assert err["type"] == "server_error" and err["code"] == "queue_full"
 
 
-async def test_not_ready_503(client, auth, backend):
+@pytest.mark.parametrize("url,body", [(URL, chat()), ("/v1/completions", {"model": MODEL, "prompt": "hi"})])
+async def test_not_ready_503_before_anything_needs_the_tokenizer(client, auth, backend, monkeypatch, url, body):
+    """While the model loads the real backend has no tokenizer yet: templating raised
+    AttributeError → 500 for the first seconds of every start. Readiness is checked first."""
     backend.set_ready(False)
-    r = await client.post(URL, json=chat(), headers=auth)
+
+    def no_tokenizer(*_):
+        raise AttributeError("'NoneType' object has no attribute 'apply_chat_template'")
+
+    monkeypatch.setattr(backend, "apply_chat_template", no_tokenizer)
+    monkeypatch.setattr(backend, "encode", no_tokenizer)
+    r = await client.post(url, json=body, headers=auth)
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+    assert "still loading" in r.json()["error"]["message"]
     assert "retry-after" in r.headers and backend.requests == []
 
 

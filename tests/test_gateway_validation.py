@@ -72,6 +72,8 @@ BAD_BODIES = [
     (chat(stop=5), "stop"),
     (chat(stop=[1]), "stop"),
     (chat(seed="42"), "seed"),
+    (chat(seed=2**64), "seed"),  # a 64-bit generator seed: 2^64 − 1 is the largest
+    (chat(seed=-(2**63) - 1), "seed"),
     (chat(user=5), "user"),
     (chat(ignore_eos="true"), "ignore_eos"),
     (chat(logprobs="yes"), "logprobs"),
@@ -153,6 +155,17 @@ async def test_prompt_longer_than_context_400(client, auth, backend, words):
     err = assert_openai_error(r, 400, "invalid_request_error", "messages", "context_length_exceeded")
     assert "64" in err["message"] and str(words + 5) in err["message"]
     assert backend.requests == []
+
+
+@pytest.mark.parametrize("url,body,param", [
+    (URL, b'{"model":"%s","messages":[{"role":"user","content":"hi \\ud800 x"}]}', "messages[0].content"),
+    ("/v1/completions", b'{"model":"%s","prompt":"a \\udfff"}', "prompt"),
+])
+async def test_text_that_is_not_valid_unicode_400(client, auth, backend, url, body, param):
+    """A lone surrogate (JSON ``\\ud800``) made the tokenizer raise: 500. It is a 400 now."""
+    r = await client.post(url, content=body.replace(b"%s", MODEL.encode()), headers={**auth, "content-type": "application/json"})
+    assert_openai_error(r, 400, "invalid_request_error", param)
+    assert "not valid Unicode" in r.json()["error"]["message"] and backend.requests == []
 
 
 async def test_backend_template_value_error_400(client, auth, backend, monkeypatch):

@@ -111,6 +111,35 @@ async def test_async_engine_step_fault_fails_only_that_step_and_keeps_serving(ta
         await engine.stop()
 
 
+async def test_a_request_the_engine_cannot_start_fails_alone_and_the_engine_thread_survives(target_fp32, tokenizer):
+    """An exception in ``add_request`` (e.g. a seed no generator takes) used to end the engine
+    thread: every later request got 503 until a restart. Now that request fails with
+    ``engine_error`` and the next one is served. Any integer seed is reduced mod 2^64."""
+    engine, _ = make_backend(target_fp32, tokenizer)
+    await engine.start()
+    try:
+        real_add = engine.engine.add_request
+
+        def add_request(r):
+            if r.request_id == "boom":
+                raise ValueError("Overflow when unpacking long long")
+            real_add(r)
+
+        engine.engine.add_request = add_request
+        deltas: dict = {}
+        bad = await asyncio.wait_for(run(engine, req("boom", tokenizer, 4), deltas), 60)
+        assert isinstance(bad, Failed) and bad.code == "engine_error" and "ValueError" in bad.message
+        ok = await asyncio.wait_for(run(engine, req("next", tokenizer, 4), deltas), 60)
+        assert isinstance(ok, Finished) and deltas["next"] == 4 and engine.ready()
+        for seed in (2**64 + 5, -(2**63) - 7):  # out of torch's range before the reduction
+            r = req(f"seed{seed}", tokenizer, 3)
+            r = GenerationRequest(r.request_id, r.prompt_token_ids, SamplingParams(temperature=1.0, max_tokens=3, seed=seed))
+            res = await asyncio.wait_for(run(engine, r, deltas), 60)
+            assert isinstance(res, Finished) and deltas[r.request_id] >= 1
+    finally:
+        await engine.stop()
+
+
 def test_http_sse_error_event_then_done_and_next_request_ok(target_fp32, tokenizer, tmp_path, migrated_template):
     import shutil
 

@@ -32,6 +32,26 @@ def get_backend(request: Request) -> Backend:
     return request.app.state.backend
 
 
+def backend_start_error(request: Request) -> BaseException | None:
+    """The exception the backend's start-up task ended with, if it failed."""
+    task = getattr(request.app.state, "backend_start", None)
+    if task is not None and task.done() and not task.cancelled():
+        return task.exception()
+    return None
+
+
+def get_ready_backend(request: Request) -> Backend:
+    """The backend, or 503 ``model_not_ready`` while it loads (or when it failed to start):
+    generation routes need its tokenizer before anything else."""
+    backend = request.app.state.backend
+    if not backend.ready():
+        if backend_start_error(request) is not None:
+            raise overloaded("The model failed to start (see /readyz and the server log).", 30.0,
+                             code="model_not_ready")
+        raise overloaded("The model is still loading; try again shortly.", 5.0, code="model_not_ready")
+    return backend
+
+
 async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
     async with request.app.state.sessionmaker() as session:
         yield session

@@ -80,7 +80,8 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     metrics_max_tenants: int = 20
     database_url: str = Field(default_factory=default_database_url)
-    dtype: str = "auto"  # runtime.config.resolve_dtype: bf16 on CPUs with native bf16, else fp32
+    # runtime.config.resolve_dtype: gguf where its kernels run, else bf16 on CPUs with native bf16, else fp32
+    dtype: Literal["auto", "gguf", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
     max_batch_size: int = 16
     max_context: int = 2048
     max_waiting: int = 256

@@ -50,7 +50,7 @@ class BaseCompletionRequest(_Request):
     top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # a 64-bit generator seed
     user: str | None = None
     ignore_eos: bool | None = False  # extension (benchmarks)
     return_spec_stats: bool | None = False  # Sparkgate extension

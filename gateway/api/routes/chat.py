@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.deps import CurrentPrincipal, chat_body, get_backend
+from gateway.api.deps import CurrentPrincipal, chat_body, get_ready_backend
 from gateway.api.respond import respond
 from gateway.errors import invalid_request
 from gateway.formatters import ChatFormatter
@@ -24,7 +24,7 @@ async def create_chat_completion(
     request: Request,
     principal: CurrentPrincipal,
     body: Annotated[ChatCompletionRequest, Depends(chat_body)],
-    backend: Annotated[Backend, Depends(get_backend)],
+    backend: Annotated[Backend, Depends(get_ready_backend)],
 ) -> Response:
     reject_unsupported_chat(body)
     num_top = requested_logprobs(body, backend.info)

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.deps import CurrentPrincipal, completion_body, get_backend
+from gateway.api.deps import CurrentPrincipal, completion_body, get_ready_backend
 from gateway.api.respond import respond
 from gateway.formatters import CompletionFormatter
 from gateway.logprobs import LogprobsBuilder
@@ -23,7 +23,7 @@ async def create_completion(
     request: Request,
     principal: CurrentPrincipal,
     body: Annotated[CompletionRequest, Depends(completion_body)],
-    backend: Annotated[Backend, Depends(get_backend)],
+    backend: Annotated[Backend, Depends(get_ready_backend)],
 ) -> Response:
     reject_unsupported_completion(body)
     num_top = requested_logprobs(body, backend.info)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gateway.api.deps import backend_start_error
+
 router = APIRouter()
 
 
@@ -19,7 +21,7 @@ async def readyz(request: Request) -> JSONResponse:
     """200 once ``backend.ready()``; 503 while the model loads (or if starting failed)."""
     if request.app.state.backend.ready():
         return JSONResponse({"status": "ready"})
-    task = getattr(request.app.state, "backend_start", None)
-    if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-        return JSONResponse({"status": "failed", "error": repr(task.exception())}, status_code=503)
+    error = backend_start_error(request)
+    if error is not None:
+        return JSONResponse({"status": "failed", "error": repr(error)}, status_code=503)
     return JSONResponse({"status": "starting"}, status_code=503)

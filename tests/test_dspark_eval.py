@@ -20,6 +20,7 @@ from runtime.dspark.evaluate import (
     PromptLookupMethod,
     evaluate,
     expected_tau,
+    live_tau,
     load_eval_prompts,
     run_engine,
     walk_rounds,
@@ -132,6 +133,27 @@ def test_t1_expected_acceptance_and_report(setup, target_fp32, tokenizer, tmp_pa
     md = (tmp_path / "r.md").read_text()
     assert "| dspark |" in md and "| prompt-lookup |" in md
     assert (tmp_path / "r-tau.png").stat().st_size > 1000 and (tmp_path / "r-position.png").stat().st_size > 1000
+
+
+@pytest.mark.model
+def test_live_t1_tau_cross_checks_the_expected_t1_tau(setup, target_fp32, tokenizer, tmp_path):
+    """``eval --live-t1``: τ of live T = 1 speculative decoding (fixed policy) per task, for the
+    bigram drafter and prompt lookup, lands near the expected T = 1 τ computed along another
+    sample of the target; the report gets a cross-check table."""
+    prompts, ids, ar, dr = setup
+    ck = save_drafter(dr, tmp_path / "bigram")
+    sel = prompts[:2]
+    res = evaluate(target_fp32, tokenizer, [DrafterMethod("dspark", dr), PromptLookupMethod(7)], sel,
+                   max_new_tokens=MAX_NEW, temperatures=(1.0,), progress=False)  # fmt: skip
+    live = {"dspark": live_tau(target_fp32, tokenizer, sel, "dspark", str(ck), max_new_tokens=MAX_NEW),
+            "prompt-lookup": live_tau(target_fp32, tokenizer, sel, "prompt_lookup", max_new_tokens=MAX_NEW)}
+    for row in res["rows"]:
+        got, want = live[row["method"]][row["task"]], row["tau_t1"]
+        print(row["method"], row["task"], "live", got, "expected", round(want, 3))
+        assert 1.0 <= got <= 8.0 and abs(got - want) < 0.6, (row, got)
+    res["live_t1"] = {"prompts_per_task": 1, "tau": live}
+    write_report(res, tmp_path / "r.md", tmp_path / "r")
+    assert "T=1 cross-check" in (tmp_path / "r.md").read_text()
 
 
 @pytest.mark.model

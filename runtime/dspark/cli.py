@@ -168,6 +168,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--live-t1", type=int, default=0, metavar="N",
+                   help="also measure τ by live T=1 speculative decoding on the first N prompts per task")
     p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
     p.add_argument("--report", default="docs/drafter-eval", help="writes REPORT.md, REPORT-tau.png, "
                    "REPORT-position.png, REPORT.json")
@@ -182,7 +184,8 @@ def _run_eval(a) -> int:
     from runtime.dspark.checkpoint import load_drafter
     from runtime.dspark.config import DrafterConfig
     from runtime.dspark.drafter import DSparkDrafter
-    from runtime.dspark.evaluate import DrafterMethod, PromptLookupMethod, evaluate, load_eval_prompts, write_report
+    from runtime.dspark.evaluate import (DrafterMethod, PromptLookupMethod, evaluate, live_tau, load_eval_prompts,
+                                         write_report)
     from runtime.engine import load_tokenizer
     from runtime.models.llama import load_llama
     from runtime.models.loader import ensure_converted
@@ -203,6 +206,15 @@ def _run_eval(a) -> int:
     res = evaluate(target, tok, methods, prompts, max_new_tokens=a.max_new_tokens,
                    temperatures=[float(t) for t in a.temperatures.split(",")], progress=not a.no_progress)
     res["checkpoints"] = {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint}
+    if a.live_t1:
+        live_prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.live_t1)
+        live = {m.name: live_tau(target, tok, live_prompts, "prompt_lookup" if m.name == "prompt-lookup" else m.name,
+                                 {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint}.get(m.name),
+                                 gamma=m.gamma, max_new_tokens=a.max_new_tokens)
+                for m in methods if m.name in ("dspark", "parallel", "prompt-lookup")}
+        res["live_t1"] = {"prompts_per_task": a.live_t1, "tau": live}
+        for row in res["rows"]:
+            row["tau_t1_live"] = live.get(row["method"], {}).get(row["task"])
     rep = Path(a.report)
     rep.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{rep}.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -126,12 +126,14 @@ def run_engine(
     max_ctx = max(len(p) for p in prompts) + max_new_tokens + 16
     cfg = EngineConfig(**{"dtype": dtype, "max_batch_size": max_batch_size, "max_context": max_ctx,
                           "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": torch.get_num_threads(), **engine_kw})
+    threads = torch.get_num_threads()  # the gguf engine sets torch to 1 thread (use_kernel_threads)
     engine = LLMEngine(cfg, emit, model=model, tokenizer=tokenizer)
     for i, ids in enumerate(prompts):
         sp = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
         engine.add_request(GenerationRequest(str(i), list(ids), sp))
     while engine.has_work():
         engine.step()
+    torch.set_num_threads(threads)
     for rid, sp in spec_objs.items():
         res[rid].spec = sp.to_dict() if sp is not None else None
     return [res[str(i)] for i in range(len(prompts))]
@@ -493,6 +495,29 @@ def evaluate(
             "generation_seconds": round(gen_seconds, 1)}
 
 
+def live_tau(
+    target, tokenizer, prompts: Sequence[EvalPrompt], spec_method: str, draft_checkpoint: str | None = None, *,
+    temperature: float = 1.0, gamma: int = 7, max_new_tokens: int = 256, seed: int = 0, max_batch_size: int = 16,
+) -> dict[str, float]:
+    """τ measured by live speculative decoding, per task: Σ emitted / Σ rounds over the task's
+    requests (the engine's ``SpecStats``; fixed policy, so every round verifies γ drafts —
+    what the T = 1 expectation above assumes). The cross-check of :func:`evaluate`'s
+    expected T = 1 τ (a different sample of the target, so they agree up to noise)."""
+    from runtime.dspark.data import chat_ids
+
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
+    gens = run_engine(target, tokenizer, ids, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                      max_batch_size=max_batch_size, spec_method=spec_method, spec_policy="fixed",
+                      draft_checkpoint=draft_checkpoint, num_speculative_tokens=gamma)
+    sums: dict[str, list[int]] = {}
+    for p, g in zip(prompts, gens):
+        acc = sums.setdefault(p.task, [0, 0])
+        if g.spec:
+            acc[0] += g.spec["emitted"]
+            acc[1] += g.spec["rounds"]
+    return {task: round(e / r, 4) for task, (e, r) in sums.items() if r}
+
+
 # -- report -------------------------------------------------------------------------------------
 
 def write_report(res: dict, out_md: Path, png_prefix: Path, title: str = "Drafter τ (DeepSpec protocol)") -> None:
@@ -520,6 +545,18 @@ def write_report(res: dict, out_md: Path, png_prefix: Path, title: str = "Drafte
             cells += [fmt(r.get("tau_t0")), fmt(r.get("tau_t1"))]
         s = res["summary"].get(m, {})
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {fmt(s.get('tau_t0_macro'))} | {fmt(s.get('tau_t1_macro'))} |")
+    live = res.get("live_t1")
+    if live:
+        lines += ["", f"T=1 cross-check: τ measured by live speculative decoding (fixed policy, γ drafts per round) "
+                      f"on the first {live['prompts_per_task']} prompts per task, next to the expected T=1 τ above:", "",
+                  "| method | " + " | ".join(f"{t} expected | {t} live" for t in tasks) + " |",
+                  "|---|" + "---|---|" * len(tasks)]
+        for m in methods:
+            if m in live["tau"]:
+                cells = []
+                for t in tasks:
+                    cells += [fmt(by.get((t, m), {}).get("tau_t1")), fmt(live["tau"][m].get(t))]
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "Position-wise conditional acceptance (all tasks pooled by mean over tasks), k = 1..γ:", "",
               "| method | T | " + " | ".join(f"k={k}" for k in range(1, 8)) + " |", "|---|---|" + "---|" * 7]
     pos = {}

@@ -1,9 +1,9 @@
 // The Llama decoder layers for a few tokens, in one call (torch.classes.sparkgate.FusedModel).
 //
 // A batch-1 decode step of the 135M target is 30 layers x ~45 small torch ops; on a 2-core
-// CPU their dispatch costs more than the layer's arithmetic. This op runs the whole layer
-// for the M rows of a ragged forward (decode anchors, verification drafts, small prefill
-// chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp):
+// CPU their dispatch costs more than the layers' arithmetic. FusedModel.forward_ runs every
+// layer for the M rows of a ragged forward (decode anchors, verification drafts, small
+// prefill chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp). Per layer:
 //
 //   h   = rmsnorm(x) * ln1                          -> bf16
 //   qkv = h @ Wqkv^T                                -> fp32; RoPE (rotate-half) on q and k
@@ -18,12 +18,11 @@
 // use the dense bf16 weights (at::linear) instead of the tiles. Same math as
 // runtime/models/llama.py's eager layer; the roundings differ only where eager rounds an
 // intermediate to bf16 (projection outputs, RoPE) and this op keeps fp32
-// (tests/test_fused_layer.py bounds the difference).
+// (tests/test_gguf_kernel.py compares both with an exact fp32 reference).
 #include "gguf_cpu.h"
 #include "work_pool.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -205,7 +204,7 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / KVH;  // query heads per kv head (GQA)
-  const int64_t DV = D / 16;      // zmm per head vector (D % 32 == 0, checked)
+  const int64_t DV = D / 16;      // zmm per head vector (D % 16 == 0 and D <= 128, checked)
   const bool amx = amx_attention_usable() && D == 64 && group <= 16;
   // One task per (row, kv head): its query heads share every K/V load. With few rows that
   // is fewer tasks than threads x 2, so each kv head's query heads get a task each instead.

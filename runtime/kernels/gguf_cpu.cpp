@@ -32,7 +32,6 @@
 #include "work_pool.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <sys/syscall.h>

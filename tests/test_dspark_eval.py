@@ -175,3 +175,32 @@ def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_pa
     k1 = rep["ece_after"][0], rep["ece_before"][0]
     assert k1[0] <= k1[1] + 1e-9  # the fit never makes position 1 worse than T = 1
     assert json.loads((ck / "calibration.json").read_text())["temperatures"] == rep["temperatures"]
+
+
+@pytest.mark.model
+def test_calibrate_t1_labels_are_the_expected_survival(setup, target_fp32, tokenizer, tmp_path):
+    """``calibrate --labels t1``: the label of position k is Π_{i≤k} α_i of the same teacher-forced
+    blocks the T = 1 τ uses, so the mean label sum per anchor is that τ − 1; z_k from those blocks."""
+    from runtime.dspark.data import Sample, write_shard
+    from runtime.dspark.evaluate import calibrate_sts, slot_valid
+
+    prompts, ids, ar, dr = setup
+    write_shard(tmp_path / "data", 0, [Sample(f"h:{i}", "chat", pid, len(pid), "length", True) for i, pid in enumerate(ids)])
+    ck = save_drafter(dr, tmp_path / "ck")
+    comps = [g.tokens for g in ar]
+    rep = calibrate_sts(ck, tmp_path / "data", max_samples=8, max_new_tokens=MAX_NEW, target=target_fp32,
+                        tokenizer=tokenizer, progress=False, completions=comps, labels="t1", write=False)  # fmt: skip
+    method, tau_sum, anchors, valid0 = DrafterMethod("dspark", dr), 0.0, 0, 0
+    for pid, comp in zip(ids, comps):
+        seq = torch.tensor(pid + comp)
+        tb = teacher_forward(target_fp32, [seq], [len(pid)], dr.tap_layers)
+        al = method.expected_acceptance(seq, tb.taps[0], tb.hidden[0], len(pid), target_fp32)
+        s, k = expected_tau(al)
+        tau_sum, anchors = tau_sum + s, anchors + k
+        valid0 += int(slot_valid(len(pid), seq.numel(), 7)[:, 0].sum())
+    assert rep["anchors"] == anchors and rep["n_valid"][0] == valid0
+    assert rep["mean_accepted_per_anchor"] == pytest.approx(tau_sum / anchors - 1.0, abs=2e-4)
+    assert rep["labels"].startswith("T=1")
+    assert rep["ece_after"][0] <= rep["ece_before"][0] + 1e-9
+    with pytest.raises(ValueError, match="labels"):
+        calibrate_sts(ck, tmp_path / "data", target=target_fp32, tokenizer=tokenizer, labels="t2", completions=comps)

@@ -139,6 +139,8 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--max-samples", type=int, default=100, help="held-out prompts to use")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
+    p.add_argument("--labels", choices=("t0", "t1"), default="t0",
+                   help="t0: greedy acceptances (0/1); t1: expected T=1 survival (soft)")
     p.add_argument("--dry-run", action="store_true", help="print, do not write the checkpoint")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-progress", action="store_true")
@@ -151,7 +153,8 @@ def _run_calibrate(a) -> int:
 
     torch.set_num_threads(a.threads)
     r = calibrate_sts(a.checkpoint, a.data, max_samples=a.max_samples, max_new_tokens=a.max_new_tokens,
-                      dtype=_target_dtype(a.dtype), write=not a.dry_run, progress=not a.no_progress)
+                      dtype=_target_dtype(a.dtype), write=not a.dry_run, progress=not a.no_progress,
+                      labels=a.labels)
     print(json.dumps(r, indent=2))
     return 0
 

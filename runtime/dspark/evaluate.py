@@ -235,12 +235,16 @@ class DrafterMethod:
         return match, conf
 
     def expected_acceptance(self, tokens: torch.Tensor, taps: torch.Tensor, hidden_t: torch.Tensor, n: int,
-                            target) -> np.ndarray:
-        """T = 1: α ``[A, γ]`` = 1 − ½‖p_d − p_t‖₁ at every anchor (teacher forced; 0 past the end)."""
+                            target, conf_out: np.ndarray | None = None) -> np.ndarray:
+        """T = 1: α ``[A, γ]`` = 1 − ½‖p_d − p_t‖₁ at every anchor (teacher forced; 0 past the end).
+
+        ``conf_out`` (fp32 ``[A, γ]``), when given, receives the confidence logits z_k of the
+        same teacher-forced blocks (previous tokens = the sequence's own, as in training)."""
         L = tokens.numel()
         anchors = all_anchors(n, L)
         A, g = anchors.numel(), self.gamma
         alpha = np.zeros((A, g), dtype=np.float32)
+        dr = self.drafter
         h_all = self._hidden(taps, anchors, tokens)
         for c in range(0, A, self.chunk):
             a = anchors[c : c + self.chunk]
@@ -253,6 +257,9 @@ class DrafterMethod:
                 pd = torch.softmax(apply_markov(self.drafter.markov, U, tokens[pc - 1], h), -1)
                 pt = target_log_probs(target, hidden_t[pc - 1]).exp()
                 al = (1 - 0.5 * (pd - pt).abs().sum(-1)).clamp(0, 1) * ok
+                if conf_out is not None:
+                    emb = dr.markov.prev_embedding(tokens[pc - 1]) if dr.markov is not None else None
+                    conf_out[c : c + len(a)] = dr.confidence(h, emb).numpy()
             alpha[c : c + len(a)] = al.numpy()
         return alpha
 
@@ -615,21 +622,33 @@ def calibrate_sts(
     write: bool = True,
     progress: bool = True,
     completions: Sequence[Sequence[int]] | None = None,
+    labels: str = "t0",
 ) -> dict:
     """Fit Sequential Temperature Scaling on the held-out split and store it in the checkpoint.
 
-    The target's greedy completions of up to ``max_samples`` held-out prompts are
-    generated (engine, no speculation); at EVERY anchor of each completion the
-    drafter's T = 0 block (served dtype, its own Markov chain) gives the confidence
+    ``labels="t0"``: the target's greedy completions of up to ``max_samples`` held-out
+    prompts are generated (engine, no speculation); at EVERY anchor of each completion
+    the drafter's T = 0 block (served dtype, its own Markov chain) gives the confidence
     logits z_k (with the drafter's own previous tokens, as served) and the accepted
     prefix length a (leading d_k = y_{p+k}); ℓ = the positions that exist before the
-    completion ends. :func:`runtime.dspark.sts.survival_labels` (a, γ, ℓ) and
-    :func:`runtime.dspark.sts.fit_sts` give T_1..T_γ, written into
+    completion ends. :func:`runtime.dspark.sts.survival_labels` (a, γ, ℓ) gives 0/1
+    survival labels.
+
+    ``labels="t1"``: the completions are T = 1 samples (seed 0); at every anchor the
+    label of position k is the expected survival Π_{i≤k} α_i with α_i = 1 − ½‖p_d,i −
+    p_t,i‖₁ (the exact T = 1 acceptance probability, teacher forced as in training and
+    in the T = 1 τ of :func:`evaluate`), and z_k comes from the same blocks. Soft labels
+    have the same per-bin expectation as sampled 0/1 outcomes, with less noise.
+
+    :func:`runtime.dspark.sts.fit_sts` then gives T_1..T_γ, written into
     ``config.json``'s ``drafter.sts_temperatures`` (weights untouched) with a
     ``calibration.json`` report next to it.
 
-    ``completions`` (greedy completions of those prompts, in held-out order) skips the
-    generation.
+    ``completions`` (completions of those prompts at the labels' temperature, in
+    held-out order) skips the generation.
+
+    Raises:
+        ValueError: ``labels`` not "t0" or "t1".
 
     Returns:
         the report dict (temperatures, ECE before/after per position, counts).
@@ -646,6 +665,8 @@ def calibrate_sts(
         mdir = ensure_converted()
         target = target or load_llama(mdir, dtype)
         tokenizer = tokenizer or load_tokenizer(mdir)
+    if labels not in ("t0", "t1"):
+        raise ValueError(f"labels must be 't0' or 't1', got {labels!r}")
     ckpt = Path(checkpoint)
     drafter = load_drafter(ckpt, target)
     method = DrafterMethod("dspark", drafter)
@@ -659,34 +680,42 @@ def calibrate_sts(
 
         bar = tqdm(total=2 * len(prompts), desc="calibrate", unit="item", dynamic_ncols=True)
     if completions is None:
-        gens = run_engine(target, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens,
-                          progress=(lambda k: bar.update(k)) if bar is not None else None)
+        gens = run_engine(target, tokenizer, prompts, temperature=0.0 if labels == "t0" else 1.0,
+                          max_new_tokens=max_new_tokens, progress=(lambda k: bar.update(k)) if bar is not None else None)
         completions = [g.tokens for g in gens]
-    logits, acc, ver = [], [], []
+    logits, survived, mask = [], [], []
     for pid, comp in zip(prompts, completions):
         n, M = len(pid), len(comp)
         if M >= 2:
             seq = torch.tensor(pid + list(comp))
             tb = teacher_forward(target, [seq], [n], drafter.tap_layers)
-            bs = method.greedy_blocks(seq, tb.taps[0], n, want_conf=True)
-            ell = slot_valid(n, seq.numel(), g).sum(1)
-            a = np.array([int(np.argmin(np.append(m[:l], False))) for m, l in zip(bs.match, ell)])
-            logits.append(bs.conf_logits)
-            acc.append(a)
-            ver.append(ell)
+            valid = slot_valid(n, seq.numel(), g)
+            if labels == "t0":
+                bs = method.greedy_blocks(seq, tb.taps[0], n, want_conf=True)
+                ell = valid.sum(1)
+                a = np.array([int(np.argmin(np.append(m[:l], False))) for m, l in zip(bs.match, ell)])
+                s_k, m_k = survival_labels(a, g, ell)
+                logits.append(bs.conf_logits)
+            else:
+                z_k = np.zeros(valid.shape, dtype=np.float32)
+                al = method.expected_acceptance(seq, tb.taps[0], tb.hidden[0], n, target, conf_out=z_k)
+                s_k, m_k = np.cumprod(al.astype(np.float64), axis=1), valid
+                logits.append(z_k)
+            survived.append(s_k)
+            mask.append(m_k)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     z = np.concatenate(logits)
-    survived, mask = survival_labels(np.concatenate(acc), g, np.concatenate(ver))
-    res = fit_sts(z, survived, mask)
+    s_all = np.concatenate(survived)
+    res = fit_sts(z, s_all, np.concatenate(mask))
     report = {
         "checkpoint": str(ckpt), "heldout_prompts": len(prompts), "anchors": int(z.shape[0]),
         "temperatures": [round(t, 5) for t in res.temperatures],
         "ece_before": [round(x, 5) for x in res.ece_before], "ece_after": [round(x, 5) for x in res.ece_after],
-        "n_valid": list(res.n_valid), "mean_accepted_per_anchor": round(float(np.concatenate(acc).mean()), 4),
-        "labels": "T=0 greedy, all anchors", "max_new_tokens": max_new_tokens, "dtype": target.serving_dtype,
+        "n_valid": list(res.n_valid), "mean_accepted_per_anchor": round(float(s_all.sum(1).mean()), 4),
+        "labels": "T=0 greedy, all anchors" if labels == "t0" else "T=1 expected survival (soft), all anchors", "max_new_tokens": max_new_tokens, "dtype": target.serving_dtype,
     }  # fmt: skip
     if write:
         cfg_path = ckpt / "config.json"

@@ -88,6 +88,14 @@ def overloaded(message: str, retry_after_s: float, code: str = "queue_full") -> 
     return APIError(503, message, SERVER_ERROR, None, code, {"Retry-After": retry})
 
 
+def model_not_ready(start_failed: bool = False) -> APIError:
+    """503 ``model_not_ready`` (with ``retry-after``): the backend is still loading, or its
+    start-up failed (then see /readyz and the server log)."""
+    if start_failed:
+        return overloaded("The model failed to start (see /readyz and the server log).", 30.0, code="model_not_ready")
+    return overloaded("The model is still loading; try again shortly.", 5.0, code="model_not_ready")
+
+
 def server_error(message: str, code: str | None = "engine_error") -> APIError:
     return APIError(500, message, SERVER_ERROR, None, code)
 

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import APIError, SERVER_ERROR, error_body, overloaded, server_error
+from gateway.errors import APIError, SERVER_ERROR, error_body, model_not_ready, overloaded, server_error
 from gateway.formatters import Formatter
 from gateway.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
 from runtime.interface import (
@@ -133,7 +133,7 @@ async def start_generation(
             the engine fails or aborts before the first token, 499 when the client left.
     """
     if not backend.ready():
-        raise overloaded("The model is still loading; try again shortly.", 5.0, code="model_not_ready")
+        raise model_not_ready()
     events: AsyncIterator[Event] | None = None
     try:
         try:

@@ -16,7 +16,8 @@ from gateway.core.config import Settings
 from gateway.core.security import AuthCache, Principal, key_digest
 from gateway.crud import keys as crud_keys
 from gateway.db.models import utcnow
-from gateway.errors import forbidden, from_validation_error, invalid_request, overloaded, unauthorized
+from gateway.errors import (forbidden, from_validation_error, invalid_request, model_not_ready, overloaded,
+                            unauthorized)
 from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
 from runtime.interface import Backend
 
@@ -45,10 +46,7 @@ def get_ready_backend(request: Request) -> Backend:
     generation routes need its tokenizer before anything else."""
     backend = request.app.state.backend
     if not backend.ready():
-        if backend_start_error(request) is not None:
-            raise overloaded("The model failed to start (see /readyz and the server log).", 30.0,
-                             code="model_not_ready")
-        raise overloaded("The model is still loading; try again shortly.", 5.0, code="model_not_ready")
+        raise model_not_ready(start_failed=backend_start_error(request) is not None)
     return backend
 
 

@@ -212,7 +212,7 @@ def _run_eval(a) -> int:
     if a.live_t1:
         live_prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.live_t1)
         live = {m.name: live_tau(target, tok, live_prompts, "prompt_lookup" if m.name == "prompt-lookup" else m.name,
-                                 {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint}.get(m.name),
+                                 res["checkpoints"].get(m.name),
                                  gamma=m.gamma, max_new_tokens=a.max_new_tokens)
                 for m in methods if m.name in ("dspark", "parallel", "prompt-lookup")}
         res["live_t1"] = {"prompts_per_task": a.live_t1, "tau": live}

@@ -102,6 +102,7 @@ def run_engine(
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
     from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
+    from runtime.models.llama import torch_threads
 
     res: dict[str, Generation] = {}
     spec_objs: dict[str, object] = {}
@@ -124,16 +125,16 @@ def run_engine(
 
     dtype = model.serving_dtype
     max_ctx = max(len(p) for p in prompts) + max_new_tokens + 16
+    threads = torch.get_num_threads()
     cfg = EngineConfig(**{"dtype": dtype, "max_batch_size": max_batch_size, "max_context": max_ctx,
-                          "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": torch.get_num_threads(), **engine_kw})
-    threads = torch.get_num_threads()  # the gguf engine sets torch to 1 thread (use_kernel_threads)
-    engine = LLMEngine(cfg, emit, model=model, tokenizer=tokenizer)
-    for i, ids in enumerate(prompts):
-        sp = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
-        engine.add_request(GenerationRequest(str(i), list(ids), sp))
-    while engine.has_work():
-        engine.step()
-    torch.set_num_threads(threads)
+                          "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": threads, **engine_kw})
+    with torch_threads(threads):  # the gguf engine sets torch to 1 thread (use_kernel_threads): restored after
+        engine = LLMEngine(cfg, emit, model=model, tokenizer=tokenizer)
+        for i, ids in enumerate(prompts):
+            sp = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
+            engine.add_request(GenerationRequest(str(i), list(ids), sp))
+        while engine.has_work():
+            engine.step()
     for rid, sp in spec_objs.items():
         res[rid].spec = sp.to_dict() if sp is not None else None
     return [res[str(i)] for i in range(len(prompts))]
@@ -254,11 +255,12 @@ class DrafterMethod:
             pc = pos.clamp(max=L - 1)
             with torch.no_grad():
                 U = self._logits(h)
-                pd = torch.softmax(apply_markov(self.drafter.markov, U, tokens[pc - 1], h), -1)
+                prev = tokens[pc - 1]  # teacher forced x_{k−1}
+                pd = torch.softmax(apply_markov(dr.markov, U, prev, h), -1)
                 pt = target_log_probs(target, hidden_t[pc - 1]).exp()
                 al = (1 - 0.5 * (pd - pt).abs().sum(-1)).clamp(0, 1) * ok
                 if conf_out is not None:
-                    emb = dr.markov.prev_embedding(tokens[pc - 1]) if dr.markov is not None else None
+                    emb = dr.markov.prev_embedding(prev) if dr.markov is not None else None
                     conf_out[c : c + len(a)] = dr.confidence(h, emb).numpy()
             alpha[c : c + len(a)] = al.numpy()
         return alpha
@@ -657,6 +659,8 @@ def calibrate_sts(
     from runtime.dspark.data import load_data
     from runtime.dspark.sts import fit_sts, survival_labels
 
+    if labels not in ("t0", "t1"):
+        raise ValueError(f"labels must be 't0' or 't1', got {labels!r}")
     if target is None or tokenizer is None:
         from runtime.engine import load_tokenizer
         from runtime.models.llama import load_llama
@@ -665,8 +669,6 @@ def calibrate_sts(
         mdir = ensure_converted()
         target = target or load_llama(mdir, dtype)
         tokenizer = tokenizer or load_tokenizer(mdir)
-    if labels not in ("t0", "t1"):
-        raise ValueError(f"labels must be 't0' or 't1', got {labels!r}")
     ckpt = Path(checkpoint)
     drafter = load_drafter(ckpt, target)
     method = DrafterMethod("dspark", drafter)
@@ -715,7 +717,8 @@ def calibrate_sts(
         "temperatures": [round(t, 5) for t in res.temperatures],
         "ece_before": [round(x, 5) for x in res.ece_before], "ece_after": [round(x, 5) for x in res.ece_after],
         "n_valid": list(res.n_valid), "mean_accepted_per_anchor": round(float(s_all.sum(1).mean()), 4),
-        "labels": "T=0 greedy, all anchors" if labels == "t0" else "T=1 expected survival (soft), all anchors", "max_new_tokens": max_new_tokens, "dtype": target.serving_dtype,
+        "labels": "T=0 greedy, all anchors" if labels == "t0" else "T=1 expected survival (soft), all anchors",
+        "max_new_tokens": max_new_tokens, "dtype": target.serving_dtype,
     }  # fmt: skip
     if write:
         cfg_path = ckpt / "config.json"

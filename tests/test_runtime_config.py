@@ -41,6 +41,25 @@ def test_engine_rejects_an_unknown_dtype():
         LLMEngine(EngineConfig(dtype="int3"), lambda rid, ev: None, model=object(), tokenizer=object())
 
 
+def test_settings_accept_exactly_the_engine_dtypes(monkeypatch):
+    """``SPARKGATE_DTYPE`` is checked at start-up against the same names the engine serves
+    (a Literal in Settings, a dict in the engine: this keeps the two lists equal)."""
+    import typing
+
+    from pydantic import ValidationError
+
+    from gateway.core.config import Settings
+    from runtime.engine import DTYPES
+
+    names = set(typing.get_args(Settings.model_fields["dtype"].annotation))
+    assert names == {"auto", *DTYPES}
+    monkeypatch.setenv("SPARKGATE_DTYPE", "int3")
+    with pytest.raises(ValidationError, match="dtype"):
+        Settings(_env_file=None)
+    monkeypatch.setenv("SPARKGATE_DTYPE", "gguf")
+    assert Settings(_env_file=None).engine_config().dtype == "gguf"
+
+
 @pytest.mark.model
 def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     """The default ``dtype="auto"`` reaches the engine unresolved (Settings → EngineConfig);

@@ -36,6 +36,9 @@ class EngineConfig:
         draft_checkpoint: path of a drafter checkpoint dir (safetensors + JSON);
             ``None`` → the committed default (or random init if none exists).
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
+        draft_fused: draft with :class:`runtime.dspark.fast_drafter.FastDrafter` (fused C++
+            backbone, draft vocabulary) where the target is on the fused ``gguf`` path;
+            ``False`` → always the reference torch drafter (A/B benchmarks).
         seed: seed for random drafter init / engine-level randomness.
         sps_table_path: JSON SPS table (``runtime.dspark.sps.SpsTable.save``) to use as
             is for the ``dspark`` policies — no cache lookup, no profiling (e.g. the
@@ -64,6 +67,7 @@ class EngineConfig:
     spec_policy: str = "dspark-sla"
     draft_checkpoint: str | None = None
     num_speculative_tokens: int = 7
+    draft_fused: bool = True
     seed: int = 0
     sps_table_path: str | None = None
     profile_on_start: bool = False

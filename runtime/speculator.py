@@ -95,10 +95,17 @@ class Speculator:
         self.method = config.spec_method
         self.vocab_size = target.cfg.vocab_size
         self.drafter = None
+        self.fast = None
         self.dcache = None
         if self.method in ("dspark", "parallel"):
-            self.drafter = self._load_drafter(config, target)
+            self.drafter, path = self._load_drafter(config, target)
             self.dcache = self.drafter.new_context_cache(num_slots, max_len)
+            if config.draft_fused:
+                from runtime.dspark import fast_drafter
+
+                if fast_drafter.available(self.drafter):
+                    self.fast = fast_drafter.FastDrafter(
+                        self.drafter, fast_drafter.load_draft_vocab(path, self.vocab_size))
             self.gamma = min(config.num_speculative_tokens, self.drafter.block_size)
         else:
             self.gamma = config.num_speculative_tokens
@@ -113,6 +120,7 @@ class Speculator:
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):
+        """(drafter, its checkpoint directory or ``None`` when randomly initialised)."""
         from runtime.dspark.checkpoint import load_drafter
         from runtime.dspark.config import DrafterConfig
         from runtime.dspark.drafter import DSparkDrafter
@@ -126,10 +134,10 @@ class Speculator:
             if rank0 != (drafter.cfg.markov_rank == 0):
                 raise ValueError(f"checkpoint {path} has markov_rank {drafter.cfg.markov_rank}; spec_method {config.spec_method}")
             log.info("loaded drafter %s", path)
-            return drafter
+            return drafter, path
         log.warning("no drafter checkpoint at %s: using a RANDOMLY initialised drafter (lossless, low acceptance)", path)
         cfg = DrafterConfig(block_size=max(config.num_speculative_tokens, 1), markov_rank=0 if rank0 else 64, init_seed=config.seed)
-        return DSparkDrafter(target, cfg)
+        return DSparkDrafter(target, cfg), None
 
     # -- target-forward needs ------------------------------------------------------
     @property
@@ -156,7 +164,7 @@ class Speculator:
     def extend_context(self, taps: torch.Tensor | None, slots: Seq[int], counts: Seq[int]) -> None:
         """Commit target taps ``[Σ counts, m, d]`` of newly cached positions."""
         if self.drafter is not None and taps is not None and sum(counts) > 0:
-            self.drafter.extend_context(self.dcache, taps, slots, counts)
+            (self.fast or self.drafter).extend_context(self.dcache, taps, slots, counts)
 
     # -- propose -------------------------------------------------------------------
     def propose(self, seqs: list[Sequence]) -> Proposal:
@@ -164,17 +172,25 @@ class Speculator:
         if self.drafter is None:
             return self._propose_ngram(seqs)
         anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
-        slots = [s.slot for s in seqs]
         temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
-        blk = self.drafter.propose(anchors, slots, self.dcache, block_size=self.gamma)
-        ds = self.drafter.sample_block(blk, anchors, temp, top_k, top_p, [s.generator for s in seqs])
+        ds = self.draft(anchors, [s.slot for s in seqs], temp, top_k, top_p, [s.generator for s in seqs])
         weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
         ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
         plan = schedule(self.policy, ds.confidence, self.sps_table, weights=weights, context_len=ctx)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
-        probs = torch.cat([ds.probs[i, :l] for i, l in enumerate(lengths)]) if seqs else ds.probs.new_zeros(0, self.vocab_size)
-        return Proposal(lengths, [self.gamma] * len(seqs), tokens, probs, self.gamma)
+        return Proposal(lengths, [self.gamma] * len(seqs), tokens, ds.dense_probs(lengths), self.gamma)
+
+    def draft(self, anchors: torch.Tensor, slots: Seq[int], temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor, generators: Seq[torch.Generator]):
+        """γ draft tokens per sequence with confidences: the fused CPU drafter
+        (:class:`runtime.dspark.fast_drafter.FastDrafter`) where it runs, else the reference
+        :class:`~runtime.dspark.drafter.DSparkDrafter`. Returns an object with ``tokens``
+        int64 ``[B, γ]``, ``confidence`` fp32 ``[B, γ]`` and ``dense_probs(lengths)``."""
+        if self.fast is not None:
+            return self.fast.draft(anchors, slots, self.dcache, self.gamma, temperature, top_k, top_p, generators)
+        blk = self.drafter.propose(anchors, slots, self.dcache, block_size=self.gamma)
+        return self.drafter.sample_block(blk, anchors, temperature, top_k, top_p, generators)
 
     def _propose_ngram(self, seqs: list[Sequence]) -> Proposal:
         tokens, drafted = [], []
@@ -198,4 +214,4 @@ class Speculator:
     def commit(self, seqs: list[Sequence], verify_taps: torch.Tensor | None, commit_rows: torch.Tensor, commit_counts: list[int]) -> None:
         """Append the anchor + accepted drafts' taps to the draft context (Alg.: commit)."""
         if self.drafter is not None and verify_taps is not None:
-            self.drafter.extend_context(self.dcache, verify_taps[commit_rows], [s.slot for s in seqs], commit_counts)
+            self.extend_context(verify_taps[commit_rows], [s.slot for s in seqs], commit_counts)

@@ -35,7 +35,7 @@ class Settings(BaseSettings):
         database_url: SQLAlchemy async URL (``sqlite+aiosqlite://`` or
             ``postgresql+asyncpg://``) holding tenants and API keys.
         dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
-        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens, sps_table_path,
+        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens, draft_fused, sps_table_path,
         profile_on_start: passed to :class:`runtime.config.EngineConfig` (see its docstring);
             serving profiles the SPS table at start-up only when speculating and no
             cached profile matches (``profile_on_start``, default on for the server).
@@ -90,6 +90,7 @@ class Settings(BaseSettings):
     spec_policy: str = "dspark-sla"
     draft_checkpoint: str | None = None
     num_speculative_tokens: int = 7
+    draft_fused: bool = True
     sps_table_path: str | None = None
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=256, ge=0)  # blocks of 16 tokens; 0 disables prefix caching
@@ -146,6 +147,7 @@ class Settings(BaseSettings):
             spec_policy=self.spec_policy,
             draft_checkpoint=self.draft_checkpoint,
             num_speculative_tokens=self.num_speculative_tokens,
+            draft_fused=self.draft_fused,
             sps_table_path=self.sps_table_path,
             profile_on_start=self.profile_on_start,
             prefix_cache_blocks=self.prefix_cache_blocks,

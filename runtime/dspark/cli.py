@@ -5,6 +5,7 @@
     python -m runtime.dspark.cli calibrate --checkpoint DIR
     python -m runtime.dspark.cli eval      --checkpoint DIR [--max-samples 20] ...
     python -m runtime.dspark.cli export    --checkpoint DIR --out runtime/dspark/checkpoints/default
+    python -m runtime.dspark.cli draft-vocab --checkpoint DIR [--size 8192]
 
 :func:`build_parser` / :func:`main` are what ``sparkgate train-drafter`` etc. hook
 into (``main(argv)`` returns an exit code). Long runs belong under ``nice -n 19``.
@@ -240,6 +241,27 @@ def _run_export(a) -> int:
     return 0
 
 
+def _add_draft_vocab(sub) -> None:
+    from runtime.dspark.data import DEFAULT_OUT
+
+    p = sub.add_parser("draft-vocab", help="write the checkpoint's draft vocabulary (most frequent response tokens)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--size", type=int, default=8192, help="N tokens (a multiple of 16)")
+    p.add_argument("--data", default=str(DEFAULT_OUT))
+
+
+def _run_draft_vocab(a) -> int:
+    from runtime.dspark.data import load_data
+    from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE, build_draft_vocab
+
+    cfg = json.loads((Path(a.checkpoint) / "config.json").read_text())
+    vocab_size = int(cfg["target"]["vocab_size"])
+    res = build_draft_vocab(load_data(a.data), a.size, vocab_size)
+    (Path(a.checkpoint) / DRAFT_VOCAB_FILE).write_text(json.dumps(res))
+    print(json.dumps({"size": res["size"], "heldout_coverage": res["heldout_coverage"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark drafter pipeline (docs/drafter.md)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -248,11 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate(sub)
     _add_eval(sub)
     _add_export(sub)
+    _add_draft_vocab(sub)
     return p
 
 
 RUNNERS = {"regen": _run_regen, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval,
-           "export": _run_export}
+           "export": _run_export, "draft-vocab": _run_draft_vocab}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,6 +186,12 @@ class DraftSample:
     confidence: torch.Tensor
     confidence_logits: torch.Tensor
 
+    def dense_probs(self, lengths: Sequence[int]) -> torch.Tensor:
+        """p_d rows of the first ``lengths[i]`` slots of each sequence, fp32 ``[Σ ℓ, V]``."""
+        if not lengths:
+            return self.probs.new_zeros(0, self.probs.shape[-1])
+        return torch.cat([self.probs[i, :n] for i, n in enumerate(lengths)])
+
 
 @torch.inference_mode()
 def sample_block(

@@ -101,6 +101,8 @@ _HOT_PATH = (
     "runtime/kv_cache.py",
     "runtime/models/llama.py",
     "runtime/dspark/drafter.py",
+    "runtime/dspark/fast_drafter.py",
+    "runtime/kernels/fused_layer.cpp",
     "runtime/dspark/markov_head.py",
     "runtime/dspark/confidence_head.py",
     "runtime/dspark/verifier.py",
@@ -207,11 +209,10 @@ class EngineRoundFn:
             t0 = time.perf_counter()
             # 1. draft
             if drafter is not None:
-                blk = drafter.propose(anchors, slots, dcache, block_size=self.gamma)
-                ds = drafter.sample_block(blk, anchors, temp, top_k, top_p, gens)
+                ds = spec.draft(anchors, slots, temp, top_k, top_p, gens)
                 ds.confidence.tolist()  # the scheduler reads the confidences on the CPU
                 tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
-                probs = torch.cat([ds.probs[i, :l] for i, l in enumerate(lengths)])
+                probs = ds.dense_probs(lengths)
             else:
                 for _ in range(r):
                     propose_ngram(history, self.gamma)
@@ -238,7 +239,7 @@ class EngineRoundFn:
             for s, keep in zip(slots, res.keep_target):
                 self.cache.truncate(s, keep)
             if drafter is not None and out.taps is not None:
-                drafter.extend_context(dcache, out.taps[res.commit_rows], slots, res.commit_counts)
+                spec.extend_context(out.taps[res.commit_rows], slots, res.commit_counts)
             dt = time.perf_counter() - t0
         finally:
             for s in slots:
@@ -268,7 +269,9 @@ def drafter_id(speculator: "Speculator") -> str:
         return speculator.method
     c = d.cfg
     taps = ",".join(str(t) for t in c.target_layer_ids)
-    return f"{speculator.method}:L{c.num_layers}:r{c.markov_rank}:{c.markov_variant}:bs{c.block_size}:taps{taps}"
+    fast = speculator.fast
+    path = "" if fast is None else f":fused:N{fast.vocab.numel()}"  # the fused drafter costs less per round
+    return f"{speculator.method}:L{c.num_layers}:r{c.markov_rank}:{c.markov_variant}:bs{c.block_size}:taps{taps}{path}"
 
 
 def _device_name(device: torch.device) -> str:

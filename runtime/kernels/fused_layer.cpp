@@ -14,6 +14,10 @@
 //   h2  = rmsnorm(x) * ln2                          -> bf16
 //   x  += (silu(g) * u) @ Wdown^T,  [g | u] = h2 @ Wgate_up^T   (silu(g)*u rounded to bf16)
 //
+// forward_block_ is the same with a per-row key count (the DSpark drafter's block: every slot
+// of a block sees the whole block) and context_ writes the drafter's context K/V
+// (runtime/dspark/fast_drafter.py); the drafter's layers are a second FusedModel with Q8_0 tiles.
+//
 // x (fp32 [M, d], the residual stream) is updated in place. Rows beyond `kernel_max_rows`
 // use the dense bf16 weights (at::linear) instead of the tiles. Same math as
 // runtime/models/llama.py's eager layer; the roundings differ only where eager rounds an
@@ -170,9 +174,12 @@ int64_t qk_amx(const at::BFloat16* q, const at::BFloat16* k, int64_t n, int64_t 
 }
 
 // Attention of M rows (see the file comment). qkv fp32 [M, (H + 2 KVH) D] is RoPE'd in
-// place; returns bf16 [M, H D].
+// place; returns bf16 [M, H D]. Every row's K/V is written before any row attends, so
+// with kv_lens (non-null) row r attends to keys [0, kv_lens[r]) of its slot instead of
+// [0, positions[r]] -- the drafter's block (bidirectional among its own slots).
 at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
-                  const int64_t* slots, const int64_t* positions, int64_t H, int64_t KVH, int64_t D) {
+                  const int64_t* slots, const int64_t* positions, const int64_t* kv_lens, int64_t H, int64_t KVH,
+                  int64_t D) {
   const int64_t M = qkv.size(0), W = qkv.size(1);
   const int64_t L = kc.size(2);
   float* qp = qkv.data_ptr<float>();
@@ -213,7 +220,7 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   const int64_t tasks_per_row = H / per_task;
   pool.run(M * tasks_per_row, [&](int64_t task) {
     const int64_t r = task / tasks_per_row, h0 = (task % tasks_per_row) * per_task, g = h0 / group;
-    const int64_t n = positions[r] + 1, slot = slots[r];
+    const int64_t n = kv_lens != nullptr ? kv_lens[r] : positions[r] + 1, slot = slots[r];
     const int64_t hn = per_task;
     thread_local std::vector<float> score;  // [hn][n]
     if (static_cast<int64_t>(score.size()) < hn * (L + 16)) score.resize(hn * (L + 16));
@@ -321,25 +328,92 @@ struct FusedModel : torch::CustomClassHolder {
   // Returns x after each layer in `taps` as fp32 [M, len(taps), d] (the drafter's features).
   at::Tensor forward_(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor positions,
                       std::vector<int64_t> taps) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-                "FusedModel.forward_: x must be contiguous fp32 [M, d]");
+    return run(x, k_cache, v_cache, slots, positions, nullptr, taps);
+  }
+
+  // forward_ where row r attends to keys [0, kv_lens[r]) of its slot (int64 [M], each in
+  // (positions[r], len]): the DSpark drafter's block, whose slots p..p+g-1 all see
+  // [0, p+g) (runtime/dspark/fast_drafter.py). Returns nothing; x is updated in place.
+  void forward_block_(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor positions,
+                      at::Tensor kv_lens) {
+    TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() && kv_lens.numel() == x.size(0),
+                "FusedModel.forward_block_: kv_lens must be contiguous int64 [M]");
+    const int64_t* kl = kv_lens.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < x.size(0); ++r)
+      TORCH_CHECK(kl[r] > pos[r] && kl[r] <= k_cache.size(3), "FusedModel.forward_block_: kv_len ", kl[r],
+                  " not in (position, cache length]");
+    run(x, k_cache, v_cache, slots, positions, kl, {});
+  }
+
+  // The drafter's context K/V (DFlash-style, runtime/dspark/drafter.py DraftLayer.context_kv):
+  // for every layer, [k | v] = feats @ W_kv^T with the k/v rows of the layer's qkv projection
+  // (no input norm: feats bf16 [T, d] are already normed), RoPE on k at positions[t], both
+  // written to the caches at (slots[t], positions[t]).
+  void context_(at::Tensor feats, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor positions) {
+    TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == at::kBFloat16 && feats.is_contiguous(),
+                "FusedModel.context_: feats must be contiguous bf16 [T, d]");
+    check(feats.size(0), k_cache, v_cache, slots, positions);
+    const int64_t T = feats.size(0), D = k_cache.size(4), L = k_cache.size(3);
+    if (T == 0) return;
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
+      const Layer& Ly = layers[i];
+      at::Tensor qkv = project(feats, Ly.qkv_t, qtype, Ly.qkv_d, kernel_max_rows);  // q rows computed, unused
+      const int64_t W = qkv.size(1);
+      float* qp = qkv.data_ptr<float>();
+      at::BFloat16* kp = k_cache.select(0, i).data_ptr<at::BFloat16>();
+      at::BFloat16* vp = v_cache.select(0, i).data_ptr<at::BFloat16>();
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qp + t * W;
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          float* k = row + (heads + g) * D;
+          const float* v = row + (heads + kv_heads + g) * D;
+          rope(k, cp + pos[t] * D, sp + pos[t] * D, D);
+          at::BFloat16* kd = kp + ((sl[t] * kv_heads + g) * L + pos[t]) * D;
+          at::BFloat16* vd = vp + ((sl[t] * kv_heads + g) * L + pos[t]) * D;
+          for (int64_t j = 0; j < D; ++j) {
+            kd[j] = at::BFloat16(k[j]);
+            vd[j] = at::BFloat16(v[j]);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  void check(int64_t M, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+             const at::Tensor& positions) const {
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
                     v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 &&
                     v_cache.is_contiguous() && k_cache.size(0) == static_cast<int64_t>(layers.size()) &&
                     k_cache.size(2) == kv_heads,
-                "FusedModel.forward_: caches must be contiguous bf16 [layers, slots, kv_heads, len, head_dim]");
-    const int64_t M = x.size(0), D = k_cache.size(4);
-    TORCH_CHECK(D % 16 == 0 && D <= 128 && cos.size(1) == D, "FusedModel.forward_: unsupported head_dim ", D);
+                "FusedModel: caches must be contiguous bf16 [layers, slots, kv_heads, len, head_dim]");
+    const int64_t D = k_cache.size(4);
+    TORCH_CHECK(D % 16 == 0 && D <= 128 && cos.size(1) == D, "FusedModel: unsupported head_dim ", D);
     TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.numel() == M &&
                     positions.numel() == M && slots.is_contiguous() && positions.is_contiguous(),
-                "FusedModel.forward_: slots and positions must be contiguous int64 [M]");
+                "FusedModel: slots and positions must be contiguous int64 [M]");
     const int64_t* sl = slots.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     for (int64_t r = 0; r < M; ++r) {
-      TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(1), "FusedModel.forward_: bad slot ", sl[r]);
-      TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3) && pos[r] < cos.size(0), "FusedModel.forward_: position ",
-                  pos[r], " out of range");
+      TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(1), "FusedModel: bad slot ", sl[r]);
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3) && pos[r] < cos.size(0), "FusedModel: position ", pos[r],
+                  " out of range");
     }
+  }
+
+  at::Tensor run(at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                 const at::Tensor& positions, const int64_t* kv_lens, const std::vector<int64_t>& taps) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "FusedModel.forward_: x must be contiguous fp32 [M, d]");
+    const int64_t M = x.size(0), D = k_cache.size(4);
+    check(M, k_cache, v_cache, slots, positions);
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
     for (int64_t t : taps) TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(layers.size()), "FusedModel.forward_: bad tap");
     at::Tensor tapped = at::empty({M, static_cast<int64_t>(taps.size()), x.size(1)}, x.options());
     if (M == 0) return tapped;
@@ -347,7 +421,7 @@ struct FusedModel : torch::CustomClassHolder {
       const Layer& L = layers[i];
       at::Tensor kc = k_cache.select(0, i), vc = v_cache.select(0, i);
       at::Tensor qkv = project(rms_norm_bf16(x, L.ln1, eps), L.qkv_t, qtype, L.qkv_d, kernel_max_rows);
-      at::Tensor attn = attend(qkv, cos, sin, kc, vc, sl, pos, heads, kv_heads, D);
+      at::Tensor attn = attend(qkv, cos, sin, kc, vc, sl, pos, kv_lens, heads, kv_heads, D);
       x.add_(project(attn, L.o_t, qtype, L.o_d, kernel_max_rows));
       at::Tensor gu = project(rms_norm_bf16(x, L.ln2, eps), L.gu_t, qtype, L.gu_d, kernel_max_rows);
       x.add_(project(silu_mul_bf16(gu, gu.size(1) / 2), L.down_t, qtype, L.down_d, kernel_max_rows));
@@ -362,5 +436,7 @@ TORCH_LIBRARY_FRAGMENT(sparkgate, m) {
   m.class_<FusedModel>("FusedModel")
       .def(torch::init<double, int64_t, int64_t, int64_t, int64_t, at::Tensor, at::Tensor>())
       .def("add_layer", &FusedModel::add_layer)
-      .def("forward_", &FusedModel::forward_);
+      .def("forward_", &FusedModel::forward_)
+      .def("forward_block_", &FusedModel::forward_block_)
+      .def("context_", &FusedModel::context_);
 }

@@ -8,7 +8,11 @@ serving dtype and thread count:
 * ``draft_backbone_ms``: the drafter's block forward (B × γ slots, context K/V cached);
 * ``draft_lm_head_ms``: the shared LM head over the B × γ slot hidden states (49,152-way);
 * ``draft_sample_ms``: Markov sampling left to right + confidence head (``sample_block``);
-* the same draft round with γ' = 1 … γ slots (``propose(block_size=γ')``).
+* the same draft round with γ' = 1 … γ slots (``propose(block_size=γ')``);
+* on the fused ``gguf`` path, the engine's drafter (:class:`runtime.dspark.fast_drafter.FastDrafter`,
+  the committed draft vocabulary): ``fused_draft_ms`` (backbone + LM head + Markov chain +
+  confidences, as the engine calls it) and ``fused_context_ms`` (committing 2 positions'
+  context K/V), next to ``eager_context_ms`` for the reference drafter.
 
 The drafter is randomly initialised (its cost does not depend on its weights). Prints
 one JSON document. Usage::
@@ -32,9 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runtime.dspark.config import DrafterConfig  # noqa: E402
+from runtime.dspark import fast_drafter  # noqa: E402
 from runtime.dspark.drafter import DSparkDrafter  # noqa: E402
 from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
+from runtime.speculator import DEFAULT_CHECKPOINT  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
@@ -62,6 +68,9 @@ def main() -> None:
     target = load_target(ensure_converted(), args.dtype, args.threads)
     dtype = target.serving_dtype
     drafter = DSparkDrafter(target, DrafterConfig(block_size=args.gamma)).eval()
+    fast = None
+    if fast_drafter.available(drafter):
+        fast = fast_drafter.FastDrafter(drafter, fast_drafter.load_draft_vocab(DEFAULT_CHECKPOINT, target.cfg.vocab_size))
     g = args.gamma
     rows = []
     for B in args.batch:
@@ -105,6 +114,16 @@ def main() -> None:
                 },
             }
         row["draft_round_over_decode"] = round(row["draft_round_ms_by_slots"][g] / row["target_decode_ms"], 3)
+        with torch.inference_mode():
+            taps2 = out.taps[:2]
+            row["eager_context_ms"] = timed(
+                lambda: (drafter.extend_context(dcache, taps2, [0], [2]), dcache.truncate(0, base[0])), args.reps)
+            if fast is not None:
+                row["fused_draft_ms"] = timed(lambda: fast.draft(anchors, slots, dcache, g, temp, top_k, top_p, gens),
+                                              args.reps)
+                row["fused_context_ms"] = timed(
+                    lambda: (fast.extend_context(dcache, taps2, [0], [2]), dcache.truncate(0, base[0])), args.reps)
+                row["fused_draft_over_decode"] = round(row["fused_draft_ms"] / row["target_decode_ms"], 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     print(json.dumps({"benchmark": "drafting_cost", "dtype": dtype, "threads": args.threads,

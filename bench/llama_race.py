@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process Sparkgate engine at c=1")
     ap.add_argument("--methods", nargs="+", default=["none", "dspark"],
-                    help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup)")
+                    help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup), or "
+                         "dspark-eager: DSpark drafting with the reference torch drafter (SPARKGATE_DRAFT_FUSED=false)")
     ap.add_argument("--parallel-checkpoint", default=None,
                     help="drafter checkpoint for method 'parallel' (the rank-0 ablation; default: random init)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -222,8 +223,11 @@ def main() -> None:
     contenders = []
     for method in args.methods:
         name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
-                "prompt_lookup": "Sparkgate prompt lookup"}.get(method, f"Sparkgate {method}")
-        env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": method}
+                "prompt_lookup": "Sparkgate prompt lookup",
+                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method, f"Sparkgate {method}")
+        env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": method.removesuffix("-eager")}
+        if method.endswith("-eager"):
+            env["SPARKGATE_DRAFT_FUSED"] = "false"
         if method == "parallel" and args.parallel_checkpoint:
             env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())
         levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]

@@ -60,14 +60,15 @@ class Proposal:
         lengths: ℓ_r per decoding sequence (0 → plain decode of the anchor).
         drafted: draft tokens proposed per sequence (γ, or fewer for prompt lookup).
         tokens: per sequence, its ℓ_r draft tokens x_1..x_ℓ.
-        probs: fp32 ``[Σ ℓ_r, V]`` p_d rows of those tokens (requests in order).
+        probs: fp32 ``[Σ ℓ_r, V]`` p_d rows of those tokens (requests in order);
+            ``None`` when every request is greedy (verified from the argmax alone).
         gamma: drafted block size γ this step.
     """
 
     lengths: list[int]
     drafted: list[int]
     tokens: list[list[int]]
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     gamma: int
 
 
@@ -179,7 +180,9 @@ class Speculator:
         plan = schedule(self.policy, ds.confidence, self.sps_table, weights=weights, context_len=ctx)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
-        return Proposal(lengths, [self.gamma] * len(seqs), tokens, ds.dense_probs(lengths), self.gamma)
+        # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
+        probs = None if bool((temp <= 0).all()) else ds.dense_probs(lengths)
+        return Proposal(lengths, [self.gamma] * len(seqs), tokens, probs, self.gamma)
 
     def draft(self, anchors: torch.Tensor, slots: Seq[int], temperature: torch.Tensor, top_k: torch.Tensor,
               top_p: torch.Tensor, generators: Seq[torch.Generator]):

@@ -10,6 +10,7 @@ first three output tokens must match the target chain's (chi-square).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy import stats
 
@@ -173,6 +174,36 @@ def test_greedy_reduces_to_argmax_match():
         assert res.accepted[r] == a
         assert res.next_tokens[r] == best[d_off[r] + r + a]
     assert 0 < int(res.accepted.sum()) < D
+
+
+def test_verify_greedy_equals_verify_on_one_hot_targets():
+    """spec_round's greedy path (argmax only) decides every round as verify() on
+    warp_probs' one-hot rows — for any draft distribution, and with tied maxima."""
+    from runtime.dspark.verifier import verify_greedy
+
+    g = torch.Generator().manual_seed(11)
+    R, Vb = 200, 12
+    lens = torch.randint(0, 6, (R,), generator=g)
+    T, D = int((lens + 1).sum()), int(lens.sum())
+    logits = torch.randint(0, 4, (T, Vb), generator=g).float()  # many ties
+    p_t = warp_probs(logits, torch.zeros(T), torch.zeros(T, dtype=torch.long), torch.ones(T))
+    req = torch.repeat_interleave(torch.arange(R), lens)
+    best = logits.argmax(-1)[torch.arange(D) + req]
+    p_d = torch.softmax(torch.randn(D, Vb, generator=g), -1)  # non-one-hot drafts
+    drafts = torch.where(torch.rand(D, generator=g) < 0.7, best, torch.multinomial(p_d, 1, generator=g)[:, 0])
+    ref = verify(p_t, p_d, drafts, lens, [torch.Generator().manual_seed(i) for i in range(R)])
+    got = verify_greedy(logits, drafts, lens)
+    assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.next_tokens, ref.next_tokens)
+    assert got.tokens() == ref.tokens()
+    assert 0 < int(got.accepted.sum()) < D
+    z, k0, p1 = torch.zeros(R), torch.zeros(R, dtype=torch.long), torch.ones(R)
+    gens = [torch.Generator().manual_seed(i) for i in range(R)]
+    res = spec_round(logits, None, drafts, lens.tolist(), [0] * R, z, k0, p1, gens)  # p_d not needed at T=0
+    assert res.tokens == ref.tokens()
+    with pytest.raises(ValueError, match="draft_probs"):
+        spec_round(logits, None, drafts, lens.tolist(), [0] * R, torch.ones(R), k0, p1, gens)
+    with pytest.raises(ValueError):
+        verify_greedy(logits[1:], drafts, lens)
 
 
 def test_greedy_spec_rounds_equal_greedy_ar():

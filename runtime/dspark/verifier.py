@@ -144,6 +144,54 @@ def verify(
     )
 
 
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor) -> VerifyResult:
+    """:func:`verify` for greedy targets (every request at temperature 0), from the logits.
+
+    With one-hot p_t (:func:`runtime.sampler.warp_probs`: the argmax, lowest index on
+    ties) the acceptance test ``u·p_d(x) < p_t(x)`` passes iff x is that argmax, whatever
+    p_d is (p_d(x) > 0 since x was drawn from it, and u < 1), and the residual
+    ``norm(max(0, p_t − p_d))`` after a rejection is p_t again. So a_r = the length of
+    the longest draft prefix equal to the argmax chain and the extra token is the argmax
+    of row ``t_off[r] + a_r``: exactly :func:`verify`'s result, without the ``[rows, V]``
+    distributions. It draws no random numbers (a greedy request's output never depends
+    on its generator).
+
+    Args:
+        target_logits: ``[Σ(ℓ_r+1), V]`` verification logits (ragged layout: module docstring).
+        draft_tokens: int64 ``[Σ ℓ_r]``.
+        lengths: int64 ``[R]`` ℓ_r.
+
+    Returns:
+        :class:`VerifyResult`.
+
+    Raises:
+        ValueError: row counts inconsistent with ``lengths``.
+    """
+    lens = lengths.tolist()
+    D = sum(lens)
+    if target_logits.shape[0] != D + len(lens) or draft_tokens.shape[0] != D:
+        raise ValueError(f"rows: target {target_logits.shape[0]} (want {D + len(lens)}), drafts {draft_tokens.shape[0]} (want {D})")
+    best = target_logits.argmax(-1).tolist()
+    drafts = draft_tokens.tolist()
+    accepted, nxt = [], []
+    t = d = 0
+    for n in lens:
+        a = 0
+        while a < n and drafts[d + a] == best[t + a]:
+            a += 1
+        accepted.append(a)
+        nxt.append(best[t + a])
+        t += n + 1
+        d += n
+    device = target_logits.device
+    return VerifyResult(
+        accepted=torch.tensor(accepted, dtype=torch.long, device=device),
+        next_tokens=torch.tensor(nxt, dtype=torch.long, device=device),
+        draft_tokens=draft_tokens,
+        lengths=lengths.to(device),
+    )
+
+
 def kernel_path(p_target: torch.Tensor) -> bool:
     """Use the fused verification kernels (:mod:`runtime.kernels`)?
 
@@ -240,9 +288,15 @@ def spec_round(
        rows' taps; the sampled first token is the first anchor. A request with ℓ_r = 0
        is plain decoding through the same path.
 
+    When every request is greedy (temperature ≤ 0) the round is decided by
+    :func:`verify_greedy` on the logits' argmax: the same outcome as :func:`verify` on
+    the one-hot rows, without building ``[rows, V]`` distributions, and ``draft_probs``
+    may be ``None``.
+
     Args:
         target_logits: fp32 ``[Σ(ℓ_r+1), V]`` verification rows, requests in order.
-        draft_probs: fp32 ``[Σ ℓ_r, V]``; draft_tokens: int64 ``[Σ ℓ_r]``.
+        draft_probs: fp32 ``[Σ ℓ_r, V]`` (``None`` allowed when every request is greedy);
+            draft_tokens: int64 ``[Σ ℓ_r]``.
         lengths: ℓ_r; starts: p_r (anchor positions).
         temperature, top_k, top_p: per-request ``[R]`` sampling parameters.
         generators: per-request generators.
@@ -252,13 +306,18 @@ def spec_round(
     """
     lens = torch.as_tensor(list(lengths), dtype=torch.long)
     rep = lens + 1
-    p_target = warp_probs(
-        target_logits,
-        temperature.repeat_interleave(rep.to(temperature.device)),
-        top_k.repeat_interleave(rep.to(top_k.device)),
-        top_p.repeat_interleave(rep.to(top_p.device)),
-    )
-    res = verify(p_target, draft_probs, draft_tokens, lens, generators)
+    if bool((temperature <= 0).all()):
+        res = verify_greedy(target_logits, draft_tokens, lens)
+    else:
+        if draft_probs is None:
+            raise ValueError("draft_probs is required unless every request is greedy")
+        p_target = warp_probs(
+            target_logits,
+            temperature.repeat_interleave(rep.to(temperature.device)),
+            top_k.repeat_interleave(rep.to(top_k.device)),
+            top_p.repeat_interleave(rep.to(top_p.device)),
+        )
+        res = verify(p_target, draft_probs, draft_tokens, lens, generators)
     acc = res.accepted.cpu()
     t_off = torch.cumsum(rep, 0) - rep
     counts = (acc + 1).tolist()

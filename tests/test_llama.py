@@ -98,19 +98,32 @@ def test_span_start_must_match_cache(target_fp32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_linear_is_bitwise_f_linear(dtype):
+    """``linear`` (torch.mv for one row) equals F.linear: bitwise in fp32, and in bf16 on
+    CPUs with AMX-BF16. Without AMX (e.g. an AMD EPYC with AVX512-BF16) oneDNN's bf16 GEMV
+    and GEMM sum in different orders, so a rare output differs in its last bits (seen: 1
+    of 576 outputs, by 4e-6 on a value near 0); there it must agree to bf16 rounding."""
     import torch.nn.functional as F
 
+    from runtime.kernels.gguf_cpu import cpu_flags
     from runtime.models.llama import Linear, linear
+
+    bitwise = dtype == torch.float32 or {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+    def same(a, b):
+        if bitwise:
+            return torch.equal(a, b)
+        scale = b.float().abs().max()
+        return bool(((a.float() - b.float()).abs() <= 2**-8 * b.float().abs() + 1e-6 * scale).all())
 
     g = torch.Generator().manual_seed(0)
     for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
         w = torch.randn(out_f, in_f, generator=g).to(dtype)
         for rows in (1, 2, 7):
             x = torch.randn(rows, in_f, generator=g).to(dtype)
-            assert torch.equal(linear(x, w), F.linear(x, w))
+            assert same(linear(x, w), F.linear(x, w))
     lin = Linear(576, 960).to(dtype)
     x = torch.randn(1, 576, generator=g).to(dtype)
-    assert lin.bias is None and torch.equal(lin(x), F.linear(x, lin.weight))
+    assert lin.bias is None and same(lin(x), F.linear(x, lin.weight))
 
 
 def test_attention_plan_groups_single_token_spans_over_a_dense_slot_range():

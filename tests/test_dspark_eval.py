@@ -117,6 +117,26 @@ def test_t0_simulated_tau_equals_live_speculative_decoding(setup, target_fp32, t
 
 
 @pytest.mark.model
+def test_draft_vocab_restricts_the_simulated_drafts(setup, target_fp32):
+    """``DrafterMethod(vocab=...)`` drafts only inside the draft vocabulary (as the served
+    fused drafter): with the output's own tokens every unrestricted match survives (the
+    true token is then the argmax inside the vocabulary too); without them none can match."""
+    prompts, ids, ar, dr = setup
+    seq, n = torch.tensor(ids[0] + ar[0].tokens), len(ids[0])
+    taps = teacher_forward(target_fp32, [seq], [n], dr.tap_layers).taps[0]
+    own = torch.tensor(sorted(set(ar[0].tokens)))
+    rest = torch.ones(target_fp32.cfg.vocab_size, dtype=torch.bool)
+    rest[own] = False
+    full = DrafterMethod("dspark", dr).greedy_blocks(seq, taps, n).match
+    inside = DrafterMethod("dv", dr, vocab=own).greedy_blocks(seq, taps, n).match
+    outside = DrafterMethod("dv", dr, vocab=rest.nonzero().squeeze(-1)).greedy_blocks(seq, taps, n).match
+    assert full.sum() > 0 and (inside >= full).all() and not outside.any()
+    al = DrafterMethod("dv", dr, vocab=rest.nonzero().squeeze(-1)).expected_acceptance(
+        seq, taps, teacher_forward(target_fp32, [seq], [n], dr.tap_layers).hidden[0], n, target_fp32)
+    assert np.isfinite(al).all() and (al >= 0).all()
+
+
+@pytest.mark.model
 def test_t1_expected_acceptance_and_report(setup, target_fp32, tokenizer, tmp_path):
     prompts, ids, ar, dr = setup
     # A drafter equal to the target (p_d = p_t) would have α ≡ 1; the random backbone with a

@@ -167,6 +167,9 @@ def _add_eval(sub) -> None:
     p.add_argument("--checkpoint", default=None, help="DSpark drafter checkpoint (method 'dspark')")
     p.add_argument("--parallel-checkpoint", default=None, help="rank-0 ablation checkpoint (method 'parallel')")
     p.add_argument("--random-baseline", action="store_true", help="also a randomly initialised drafter")
+    p.add_argument("--draft-vocab", action="store_true",
+                   help="also method 'dspark-draft-vocab': the DSpark drafter restricted to its checkpoint's "
+                        "draft vocabulary, as the fused drafter serves it")
     p.add_argument("--no-prompt-lookup", action="store_true")
     p.add_argument("--tasks", default=",".join(TASK_CAPS))
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
@@ -200,6 +203,13 @@ def _run_eval(a) -> int:
     methods = []
     if a.checkpoint:
         methods.append(DrafterMethod("dspark", load_drafter(a.checkpoint, target)))
+        if a.draft_vocab:
+            from runtime.dspark.fast_drafter import load_draft_vocab
+
+            vocab = load_draft_vocab(a.checkpoint, target.cfg.vocab_size)
+            if vocab is None:
+                raise SystemExit(f"{a.checkpoint} has no draft vocabulary (python -m runtime.dspark.cli draft-vocab)")
+            methods.append(DrafterMethod("dspark-draft-vocab", methods[-1].drafter, vocab=vocab))
     if a.parallel_checkpoint:
         methods.append(DrafterMethod("parallel", load_drafter(a.parallel_checkpoint, target)))
     if a.random_baseline:

@@ -159,11 +159,19 @@ class BlockStats:
 
 
 class DrafterMethod:
-    """A DSpark drafter (any Markov rank) evaluated through the batched block forward."""
+    """A DSpark drafter (any Markov rank) evaluated through the batched block forward.
 
-    def __init__(self, name: str, drafter, chunk: int = 32) -> None:
+    ``vocab`` (int64 ``[N]`` token ids): draft only from this draft vocabulary, as the
+    served fused drafter does (:mod:`runtime.dspark.fast_drafter`): base logits outside it
+    are −∞, so the greedy argmax and the T = 1 p_d are the drafter's restricted to it."""
+
+    def __init__(self, name: str, drafter, chunk: int = 32, vocab: torch.Tensor | None = None) -> None:
         self.name, self.drafter, self.chunk = name, drafter, chunk
         self.gamma = drafter.block_size
+        self.outside = None
+        if vocab is not None:
+            self.outside = torch.ones(drafter.target.cfg.vocab_size, dtype=torch.bool)
+            self.outside[vocab] = False
 
     @property
     def tap_layers(self) -> list[int]:
@@ -181,7 +189,8 @@ class DrafterMethod:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         t = self.drafter.target
-        return t.lm_head(h.reshape(-1, h.shape[-1]).to(t.dtype)).view(*h.shape[:-1], -1)
+        U = t.lm_head(h.reshape(-1, h.shape[-1]).to(t.dtype)).view(*h.shape[:-1], -1)
+        return U if self.outside is None else U.masked_fill(self.outside, float("-inf"))
 
     def greedy_blocks(self, tokens: torch.Tensor, taps: torch.Tensor, n: int, want_conf: bool = False,
                       anchors: torch.Tensor | None = None) -> BlockStats:

@@ -93,6 +93,10 @@ class Speculator:
     def __init__(self, config: EngineConfig, target: LlamaModel, num_slots: int, max_len: int, sps_table: SpsTable | None = None) -> None:
         if config.spec_method not in SPEC_METHODS or config.spec_method == "none":
             raise ValueError(f"spec_method must be one of {SPEC_METHODS[1:]}, got {config.spec_method!r}")
+        from runtime.dspark.scheduler import POLICIES
+
+        if config.spec_policy not in POLICIES:
+            raise ValueError(f"spec_policy must be one of {POLICIES}, got {config.spec_policy!r}")
         self.method = config.spec_method
         self.vocab_size = target.cfg.vocab_size
         self.drafter = None

@@ -41,6 +41,16 @@ def test_engine_rejects_an_unknown_dtype():
         LLMEngine(EngineConfig(dtype="int3"), lambda rid, ev: None, model=object(), tokenizer=object())
 
 
+def test_speculator_rejects_an_unknown_policy_at_start_up():
+    """An unknown ``spec_policy`` fails when the engine is built, not in every later step."""
+    from runtime.dspark.scheduler import POLICIES
+    from runtime.speculator import Speculator
+
+    with pytest.raises(ValueError, match="spec_policy must be one of"):
+        Speculator(EngineConfig(spec_method="dspark", spec_policy="x"), target=object(), num_slots=1, max_len=8)
+    assert "dspark-sla" in POLICIES and EngineConfig().spec_policy in POLICIES
+
+
 def test_settings_accept_exactly_the_engine_dtypes(monkeypatch):
     """``SPARKGATE_DTYPE`` is checked at start-up against the same names the engine serves
     (a Literal in Settings, a dict in the engine: this keeps the two lists equal)."""

@@ -10,8 +10,8 @@ the same draft with three changes, each measured there:
    ``torch.classes.sparkgate.FusedModel`` (``runtime/kernels/fused_layer.cpp``), the
    target's own fused layer code, with ``forward_block_`` giving every slot of a block
    the keys ``[0, p+γ)`` (bidirectional inside the block) and ``context_`` writing the
-   context K/V of newly committed positions. The drafter's bf16 projections are
-   quantised once to Q8_0 (:func:`quantize_q8_0`, GGML's reference rounding) for the tile
+   context K/V of newly committed positions. The drafter's bf16 projections (and the
+   context projection W_fc) are quantised once to Q8_0 (:func:`quantize_q8_0`, GGML's reference rounding) for the tile
    kernel; above ``kernel_max_rows`` rows the bf16 weights are used as they are.
 2. **Draft vocabulary** (FR-Spec, Zhao et al. 2025; EAGLE-3 does the same): the base logits
    U_k are computed only for the ``N`` most frequent tokens of the drafter's training
@@ -209,6 +209,7 @@ class FastDrafter:
             args = [t for p in projs for t in (p.tiles, p.dense)]
             self.fm.add_layer(*ln, *args)
             self._keep.append((projs, ln))
+        self.fc = q8_linear(drafter.fc.weight)  # the context projection W_fc, also over Q8_0 tiles
         self.vocab = draft_vocab if draft_vocab is not None else torch.arange(self.vocab_size)
         head_blocks = target.lm_head_quant.blocks()[self.vocab]
         self.head = GgufLinear(head_blocks, gguf_cpu.Q8_0, self.vocab.numel(), target.cfg.hidden_size,
@@ -234,7 +235,8 @@ class FastDrafter:
             pos.extend(range(cache.lengths[s], cache.lengths[s] + n))
             sl.extend([s] * n)
         if taps.shape[0] > 0:
-            feats = d.context_features(taps).contiguous()
+            T = taps.shape[0]
+            feats = d.hidden_norm(self.fc(taps.reshape(T, -1).to(d.dtype))).contiguous()  # = d.context_features
             self.fm.context_(feats, cache.k, cache.v, torch.tensor(sl, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
         for s, n in zip(slots, counts):
             cache.lengths[s] += n

@@ -180,3 +180,8 @@ def test_block_kernel_rejects_bad_kv_lens(setup):
         fast.fm.forward_block_(x, cf.k, cf.v, one, torch.tensor([3, 4]), torch.tensor([4, 4]))
     with pytest.raises(RuntimeError, match="kv_len"):  # nor past the cache
         fast.fm.forward_block_(x, cf.k, cf.v, one, torch.tensor([3, 4]), torch.tensor([5, 10_000]))
+    with pytest.raises(RuntimeError, match="slots and positions"):  # sizes checked before positions is read
+        fast.fm.forward_block_(x, cf.k, cf.v, one, torch.tensor([3]), torch.tensor([5, 5]))
+    t, k, tp = _params(0, 0)
+    empty = fast.draft(torch.zeros(0, dtype=torch.long), [], cf, 7, t, k, tp, [])
+    assert empty.tokens.shape == (0, 7) and empty.dense_probs([]).shape == (0, V)

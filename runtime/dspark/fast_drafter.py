@@ -20,8 +20,9 @@ the same draft with three changes, each measured there:
 3. **Markov chain over the draft vocabulary.** Slot k's logits are
    ``U_k + W1[x_{k−1}]·W2`` (paper §3.1) with W2's columns cut to the same N tokens: one
    ``[B, r] × [r, N]`` product per step instead of ``[r, V]``. Over those N tokens the
-   draft is the reference drafter's: greedy rows take the same argmax, sampled rows draw
-   from the same warped distribution restricted to the draft vocabulary. (Evaluating the
+   draft is the reference drafter's: greedy rows take the same argmax (ties broken by
+   draft-vocabulary order), sampled rows draw from the row's warp of the logits restricted
+   to the draft vocabulary (temperature, then top-k / top-p among those N tokens). (Evaluating the
    bias only on each slot's top-64 base logits would be cheaper still, but it changed
    8 % of the greedy drafts of the committed drafter: its bias is large, which is what
    the Markov head is for.)
@@ -211,8 +212,8 @@ class FastDrafter:
             self._keep.append((projs, ln))
         self.fc = q8_linear(drafter.fc.weight)  # the context projection W_fc, also over Q8_0 tiles
         self.vocab = draft_vocab if draft_vocab is not None else torch.arange(self.vocab_size)
-        head_blocks = target.lm_head_quant.blocks()[self.vocab]
-        self.head = GgufLinear(head_blocks, gguf_cpu.Q8_0, self.vocab.numel(), target.cfg.hidden_size,
+        head_blocks = target.lm_head_quant.blocks()[self.vocab]  # GGML rows: a row subset is a valid tensor
+        self.head = GgufLinear(head_blocks, target.lm_head_quant.qtype, self.vocab.numel(), target.cfg.hidden_size,
                                dense=target.lm_head_weight[self.vocab].contiguous(), out_dtype=torch.float32)
         mk = drafter.markov
         if mk is not None:
@@ -287,7 +288,7 @@ class FastDrafter:
         self.fm.forward_block_(x, cache.k, cache.v, torch.tensor(sl, dtype=torch.long),
                                torch.tensor(pos, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
         hidden = d.norm(x).to(d.dtype)  # [B·γ, d]
-        base = self.head(hidden).view(B, gamma, -1)  # U over the draft vocabulary, fp32
+        base = self.head(hidden).view(B, gamma, self.vocab.numel())  # U over the draft vocabulary, fp32
         return self._sample(base, hidden.view(B, gamma, dim), anchors.long(), temperature, top_k, top_p, generators)
 
     def _sample(self, base, hidden, anchors, temperature, top_k, top_p, generators) -> FastDraft:

@@ -212,7 +212,7 @@ class EngineRoundFn:
                 ds = spec.draft(anchors, slots, temp, top_k, top_p, gens)
                 ds.confidence.tolist()  # the scheduler reads the confidences on the CPU
                 tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
-                probs = ds.dense_probs(lengths)
+                probs = ds.dense_probs(lengths) if self.temperature > 0 else None  # as the engine
             else:
                 for _ in range(r):
                     propose_ngram(history, self.gamma)

@@ -336,6 +336,8 @@ struct FusedModel : torch::CustomClassHolder {
   // [0, p+g) (runtime/dspark/fast_drafter.py). Returns nothing; x is updated in place.
   void forward_block_(at::Tensor x, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, at::Tensor positions,
                       at::Tensor kv_lens) {
+    TORCH_CHECK(x.dim() == 2, "FusedModel.forward_block_: x must be [M, d]");
+    check(x.size(0), k_cache, v_cache, slots, positions);  // before positions is read below
     TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() && kv_lens.numel() == x.size(0),
                 "FusedModel.forward_block_: kv_lens must be contiguous int64 [M]");
     const int64_t* kl = kv_lens.data_ptr<int64_t>();

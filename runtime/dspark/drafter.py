@@ -100,6 +100,42 @@ class DraftContextCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def append_plan(
+        self, taps: torch.Tensor, num_taps: int, slots: Sequence[int], counts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where committing ``counts[i]`` new context rows to ``slots[i]`` writes them.
+
+        Args:
+            taps: ``[T, num_taps, d]`` target taps of the rows, sequence after sequence.
+            num_taps: m, the drafter's tap layers.
+            slots, counts: per sequence, its slot and new rows (``Σ counts == T``; 0 allowed).
+
+        Returns:
+            ``(slot_idx, positions)``: int64 ``[T]`` on the cache's device; sequence i's rows
+            get positions ``lengths[slot_i] + 0 … counts_i − 1``. Lengths are not changed
+            (:meth:`advance` does that once the rows are written).
+
+        Raises:
+            ValueError: mismatched shapes or a slot overflowing ``max_len``.
+        """
+        if taps.dim() != 3 or taps.shape[1] != num_taps:
+            raise ValueError(f"taps must be [T, {num_taps}, d], got {tuple(taps.shape)}")
+        if len(slots) != len(counts) or sum(counts) != taps.shape[0]:
+            raise ValueError(f"counts {list(counts)} do not cover the {taps.shape[0]} tap rows")
+        pos, sl = [], []
+        for s, n in zip(slots, counts):
+            if self.lengths[s] + n > self.max_len:
+                raise ValueError(f"draft context slot {s}: {self.lengths[s] + n} > max_len {self.max_len}")
+            pos.extend(range(self.lengths[s], self.lengths[s] + n))
+            sl.extend([s] * n)
+        device = self.k.device
+        return torch.tensor(sl, dtype=torch.long, device=device), torch.tensor(pos, dtype=torch.long, device=device)
+
+    def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Mark ``counts[i]`` more context positions of ``slots[i]`` as committed."""
+        for s, n in zip(slots, counts):
+            self.lengths[s] += n
+
 
 class DraftLayer(nn.Module):
     """One draft decoder layer: the target's design (RMSNorm → GQA+RoPE → RMSNorm → SwiGLU)."""
@@ -393,28 +429,15 @@ class DSparkDrafter(nn.Module):
         Raises:
             ValueError: mismatched shapes or a slot overflowing ``cache.max_len``.
         """
-        m = len(self.cfg.target_layer_ids)
-        if taps.dim() != 3 or taps.shape[1] != m:
-            raise ValueError(f"taps must be [T, {m}, d], got {tuple(taps.shape)}")
-        if len(slots) != len(counts) or sum(counts) != taps.shape[0]:
-            raise ValueError(f"counts {list(counts)} do not cover the {taps.shape[0]} tap rows")
-        pos, sl = [], []
-        for s, n in zip(slots, counts):
-            if cache.lengths[s] + n > cache.max_len:
-                raise ValueError(f"draft context slot {s}: {cache.lengths[s] + n} > max_len {cache.max_len}")
-            pos.append(torch.arange(cache.lengths[s], cache.lengths[s] + n))
-            sl.append(torch.full((n,), s, dtype=torch.long))
+        slot_idx, positions = cache.append_plan(taps, len(self.cfg.target_layer_ids), slots, counts)
         if taps.shape[0] > 0:
-            device = cache.k.device
-            positions, slot_idx = torch.cat(pos).to(device), torch.cat(sl).to(device)
             feats = self.context_features(taps)
             cos, sin = self.target.rotary.tables(positions, self.dtype)
             for i, layer in enumerate(self.layers):
                 k, v = layer.context_kv(feats, cos, sin)
                 cache.k[i][slot_idx, :, positions] = k
                 cache.v[i][slot_idx, :, positions] = v
-        for s, n in zip(slots, counts):
-            cache.lengths[s] += n
+        cache.advance(slots, counts)
 
     # -- block forward -----------------------------------------------------------
     @torch.inference_mode()

@@ -224,23 +224,12 @@ class FastDrafter:
     def extend_context(self, cache: DraftContextCache, taps: torch.Tensor, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Same contract as :meth:`DSparkDrafter.extend_context` (taps fp32 ``[T, m, d]``)."""
         d = self.drafter
-        m = len(d.cfg.target_layer_ids)
-        if taps.dim() != 3 or taps.shape[1] != m:
-            raise ValueError(f"taps must be [T, {m}, d], got {tuple(taps.shape)}")
-        if len(slots) != len(counts) or sum(counts) != taps.shape[0]:
-            raise ValueError(f"counts {list(counts)} do not cover the {taps.shape[0]} tap rows")
-        pos, sl = [], []
-        for s, n in zip(slots, counts):
-            if cache.lengths[s] + n > cache.max_len:
-                raise ValueError(f"draft context slot {s}: {cache.lengths[s] + n} > max_len {cache.max_len}")
-            pos.extend(range(cache.lengths[s], cache.lengths[s] + n))
-            sl.extend([s] * n)
+        slot_idx, positions = cache.append_plan(taps, len(d.cfg.target_layer_ids), slots, counts)
         if taps.shape[0] > 0:
             T = taps.shape[0]
             feats = d.hidden_norm(self.fc(taps.reshape(T, -1).to(d.dtype))).contiguous()  # = d.context_features
-            self.fm.context_(feats, cache.k, cache.v, torch.tensor(sl, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
-        for s, n in zip(slots, counts):
-            cache.lengths[s] += n
+            self.fm.context_(feats, cache.k, cache.v, slot_idx, positions)
+        cache.advance(slots, counts)
 
     # -- draft ----------------------------------------------------------------
     @torch.inference_mode()
@@ -282,9 +271,7 @@ class FastDrafter:
             pos.extend(range(p, p + gamma))
             sl.extend([s] * gamma)
             lens.extend([p + gamma] * gamma)
-        x = d.mask_embedding.float().expand(B, gamma, dim).clone()
-        x[:, 0] = d.target.embed_tokens(anchors.long()).float()
-        x = x.reshape(B * gamma, dim).contiguous()
+        x = d.block_inputs(anchors, gamma).float().reshape(B * gamma, dim).contiguous()  # the residual stream, fp32
         self.fm.forward_block_(x, cache.k, cache.v, torch.tensor(sl, dtype=torch.long),
                                torch.tensor(pos, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
         hidden = d.norm(x).to(d.dtype)  # [B·γ, d]

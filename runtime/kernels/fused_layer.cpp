@@ -123,6 +123,20 @@ float softmax_unnormalised(float* s, int64_t n) {
   return sum;
 }
 
+// Writes the K/V of one qkv row (fp32 [(H + 2 KVH) D], k already RoPE'd) into bf16 caches
+// [slots, KVH, L, D] at (slot, pos).
+inline void store_kv(const float* row, int64_t H, int64_t KVH, int64_t D, at::BFloat16* kp, at::BFloat16* vp,
+                     int64_t L, int64_t slot, int64_t pos) {
+  for (int64_t g = 0; g < KVH; ++g) {
+    at::BFloat16* kd = kp + ((slot * KVH + g) * L + pos) * D;
+    at::BFloat16* vd = vp + ((slot * KVH + g) * L + pos) * D;
+    for (int64_t j = 0; j < D; ++j) {
+      kd[j] = at::BFloat16(row[(H + g) * D + j]);
+      vd[j] = at::BFloat16(row[(H + KVH + g) * D + j]);
+    }
+  }
+}
+
 struct AttnTileConfig {  // LDTILECFG layout, palette 1
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -198,14 +212,7 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
     float* row = qp + r * W;
     for (int64_t h = 0; h < H + KVH; ++h) rope(row + h * D, cp + pos * D, sp + pos * D, D);
     for (int64_t i = 0; i < H * D; ++i) qbp[r * H * D + i] = at::BFloat16(row[i]);
-    for (int64_t g = 0; g < KVH; ++g) {
-      at::BFloat16* kd = cache_row(kp, slot, g, pos);
-      at::BFloat16* vd = cache_row(vp, slot, g, pos);
-      for (int64_t j = 0; j < D; ++j) {
-        kd[j] = at::BFloat16(row[(H + g) * D + j]);
-        vd[j] = at::BFloat16(row[(H + KVH + g) * D + j]);
-      }
-    }
+    store_kv(row, H, KVH, D, kp, vp, L, slot, pos);
   }
   at::Tensor out = at::empty({M, H * D}, qkv.options().dtype(at::kBFloat16));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
@@ -371,17 +378,8 @@ struct FusedModel : torch::CustomClassHolder {
       at::BFloat16* vp = v_cache.select(0, i).data_ptr<at::BFloat16>();
       for (int64_t t = 0; t < T; ++t) {
         float* row = qp + t * W;
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          float* k = row + (heads + g) * D;
-          const float* v = row + (heads + kv_heads + g) * D;
-          rope(k, cp + pos[t] * D, sp + pos[t] * D, D);
-          at::BFloat16* kd = kp + ((sl[t] * kv_heads + g) * L + pos[t]) * D;
-          at::BFloat16* vd = vp + ((sl[t] * kv_heads + g) * L + pos[t]) * D;
-          for (int64_t j = 0; j < D; ++j) {
-            kd[j] = at::BFloat16(k[j]);
-            vd[j] = at::BFloat16(v[j]);
-          }
-        }
+        for (int64_t g = 0; g < kv_heads; ++g) rope(row + (heads + g) * D, cp + pos[t] * D, sp + pos[t] * D, D);
+        store_kv(row, heads, kv_heads, D, kp, vp, L, sl[t], pos[t]);
       }
     }
   }

@@ -187,6 +187,75 @@ def test_block_targets_and_loss_terms(target_fp32, teacher_batch):
     assert lo.tau_prob[1] == 6 and 6.0 <= lo.tau_prob[0] <= 6 * 8
 
 
+def test_draft_vocab_loss_is_the_restricted_drafters_distance(target_fp32, teacher_batch):
+    """With a draft vocabulary D the loss is that of the served restricted drafter: p_d is the
+    softmax over D (−∞ elsewhere), L1 = Σ_V |p_d − p_t| with p_d = 0 off D, CE over slots whose
+    token is in D; with D = all ids it is the full loss."""
+    tb = teacher_batch
+    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=5))
+    with torch.no_grad():
+        dr.markov.w2.weight.normal_(0, 0.05)  # a non-zero Markov bias, so its restriction matters
+    anchors = torch.tensor([[10, 20], [30, 36], [8, 12]])
+    bt = block_targets(tb, anchors, torch.ones(3, 2, dtype=torch.bool), 7)
+    logp_t = target_log_probs(target_fp32, bt.hidden_rows[bt.valid])
+    tgt = bt.target_tokens[bt.valid]
+    # D: every other id of a random permutation, half of the slots' own tokens left out of it.
+    g = torch.Generator().manual_seed(0)
+    others = torch.tensor(sorted(set(range(V)) - set(tgt.tolist())))
+    D = torch.cat([tgt.unique()[::2], others[torch.randperm(others.numel(), generator=g)[:4000]]])
+    with torch.no_grad():
+        h = block_forward(dr, tb.taps, anchors, bt.anchor_tokens)
+        lo = dspark_loss(dr, h, bt, logp_t, vocab=D)
+        full = draft_log_probs(dr, h[bt.valid], bt.prev_tokens[bt.valid])
+        restricted = draft_log_probs(dr, h[bt.valid], bt.prev_tokens[bt.valid], vocab=D)
+        same = dspark_loss(dr, h, bt, logp_t, vocab=torch.arange(V))
+        ref_full = dspark_loss(dr, h, bt, logp_t)
+    off = torch.ones(V, dtype=torch.bool)
+    off[D] = False
+    dense = torch.log_softmax(full.masked_fill(off, float("-inf")), -1)  # the served p_d
+    torch.testing.assert_close(restricted, dense[:, D], atol=1e-5, rtol=1e-5)
+    wk = position_weights(7)[torch.arange(7).expand(3, 2, 7)[bt.valid]]
+    l1 = (dense.exp() - logp_t.exp()).abs().sum(-1)
+    inside = ~off[tgt]
+    assert 0 < int(inside.sum()) < tgt.numel()
+    ce = -dense.gather(-1, tgt[:, None])[:, 0][inside]
+    assert lo.l1 == pytest.approx(float((wk * l1).sum() / wk.sum()), abs=1e-4)
+    assert lo.ce == pytest.approx(float((wk[inside] * ce).sum() / wk[inside].sum()), abs=1e-3)
+    assert lo.l1 > ref_full.l1  # mass off D is lost for sure
+    for k in ("l1", "ce", "bce", "accept"):
+        assert getattr(same, k) == pytest.approx(getattr(ref_full, k), abs=1e-4)
+
+
+@pytest.mark.model
+def test_warm_start_keeps_the_weights_drops_sts_and_copies_the_vocab(tmp_path, target_fp32, tokenizer):
+    from runtime.dspark.checkpoint import load_drafter, read_config, save_drafter
+    from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE
+
+    data = _tiny_data(tokenizer)
+    src = tmp_path / "src"
+    dr = init_drafter(target_fp32, TrainConfig(drafter=DrafterConfig(num_layers=1, markov_rank=8).to_dict()))
+    with torch.no_grad():
+        dr.markov.w2.weight.normal_(0, 0.1)
+    dr.cfg.sts_temperatures = [1.5] * 7
+    save_drafter(dr, src)
+    ids = sorted(set(data.tokens.tolist()))[:48]
+    (src / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids, "size": 48}))
+    # An architecture flag that disagrees with the checkpoint is ignored: the init's wins.
+    cfg = TrainConfig(out=str(tmp_path / "ck"), drafter=DrafterConfig(num_layers=2).to_dict(), seqs_per_micro=4,
+                      anchors_per_seq=4, max_len=64, steps=1, val_every=0, save_every=0, threads=2, lr=1e-9,
+                      warmup_frac=0.0, init=str(src), draft_vocab=str(src))  # fmt: skip
+    r = train(cfg, target=target_fp32, data=data, progress=False)
+    out = tmp_path / "ck"
+    assert read_config(out).num_layers == 1 and read_config(out).markov_rank == 8
+    assert read_config(out).sts_temperatures is None
+    assert json.loads((out / DRAFT_VOCAB_FILE).read_text())["token_ids"] == ids
+    assert json.loads((out / "train_config.json").read_text())["drafter"]["num_layers"] == 1
+    # lr 1e-9 for one step: the weights are the source's (the W2 noise survives), not a fresh init.
+    a, b = load_drafter(src, target_fp32), r["drafter"]
+    torch.testing.assert_close(b.markov.w2.weight, a.markov.w2.weight, atol=1e-6, rtol=0)
+    assert float(a.markov.w2.weight.abs().sum()) > 1.0
+
+
 # -- training smoke run --------------------------------------------------------------------
 
 def _tiny_data(tokenizer) -> DrafterData:

@@ -107,6 +107,12 @@ def _add_train(sub) -> None:
     p.add_argument("--val-every", type=int, default=d.val_every)
     p.add_argument("--val-seqs", type=int, default=d.val_seqs)
     p.add_argument("--no-resume", action="store_true", help="start fresh even if OUT has a train_state.pt")
+    p.add_argument("--init", default=None, help="warm start from this checkpoint (weights + architecture; "
+                   "fresh optimizer and schedule; the architecture flags are ignored)")
+    p.add_argument("--draft-vocab", default=None, metavar="DIR",
+                   help="train over the draft vocabulary in DIR/draft_vocab.json, as the fused drafter serves it")
+    p.add_argument("--teacher-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="frozen target dtype (fp32 is faster on CPUs without AMX)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--no-progress", action="store_true")
@@ -122,7 +128,8 @@ def _run_train(a) -> int:
         data_dir=a.data, out=a.out, drafter=dcfg.to_dict(), seqs_per_micro=a.seqs_per_micro,
         anchors_per_seq=a.anchors, accum=a.accum, max_len=a.max_len, lr=a.lr, warmup_frac=a.warmup_frac,
         steps=a.steps, max_minutes=a.minutes, save_every=a.save_every, val_every=a.val_every,
-        val_seqs=a.val_seqs, threads=a.threads, seed=a.seed,
+        val_seqs=a.val_seqs, threads=a.threads, seed=a.seed, init=a.init, draft_vocab=a.draft_vocab,
+        teacher_dtype=a.teacher_dtype,
     )  # fmt: skip
     _stop_on_sigterm()
     r = train(cfg, resume=not a.no_resume, progress=not a.no_progress)

@@ -177,6 +177,11 @@ def _add_eval(sub) -> None:
     p.add_argument("--draft-vocab", action="store_true",
                    help="also method 'dspark-draft-vocab': the DSpark drafter restricted to its checkpoint's "
                         "draft vocabulary, as the fused drafter serves it")
+    p.add_argument("--as-served", action="store_true",
+                   help="evaluate the DSpark drafter only as the fused drafter serves it: restricted to its "
+                        "checkpoint's draft vocabulary (method 'dspark'; no full-vocabulary run)")
+    p.add_argument("--previous-checkpoint", default=None,
+                   help="a second DSpark drafter (method 'dspark-previous'; restricted with --as-served)")
     p.add_argument("--no-prompt-lookup", action="store_true")
     p.add_argument("--tasks", default=",".join(TASK_CAPS))
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
@@ -208,15 +213,23 @@ def _run_eval(a) -> int:
     mdir = ensure_converted()
     target, tok = load_llama(mdir, _target_dtype(a.dtype)), load_tokenizer(mdir)
     methods = []
-    if a.checkpoint:
-        methods.append(DrafterMethod("dspark", load_drafter(a.checkpoint, target)))
-        if a.draft_vocab:
-            from runtime.dspark.fast_drafter import load_draft_vocab
 
-            vocab = load_draft_vocab(a.checkpoint, target.cfg.vocab_size)
-            if vocab is None:
-                raise SystemExit(f"{a.checkpoint} has no draft vocabulary (python -m runtime.dspark.cli draft-vocab)")
-            methods.append(DrafterMethod("dspark-draft-vocab", methods[-1].drafter, vocab=vocab))
+    def vocab_of(ckpt):
+        from runtime.dspark.fast_drafter import load_draft_vocab
+
+        vocab = load_draft_vocab(ckpt, target.cfg.vocab_size)
+        if vocab is None:
+            raise SystemExit(f"{ckpt} has no draft vocabulary (python -m runtime.dspark.cli draft-vocab)")
+        return vocab
+
+    if a.checkpoint:
+        dr = load_drafter(a.checkpoint, target)
+        methods.append(DrafterMethod("dspark", dr, vocab=vocab_of(a.checkpoint) if a.as_served else None))
+        if a.draft_vocab and not a.as_served:
+            methods.append(DrafterMethod("dspark-draft-vocab", dr, vocab=vocab_of(a.checkpoint)))
+    if a.previous_checkpoint:
+        methods.append(DrafterMethod("dspark-previous", load_drafter(a.previous_checkpoint, target),
+                                     vocab=vocab_of(a.previous_checkpoint) if a.as_served else None))
     if a.parallel_checkpoint:
         methods.append(DrafterMethod("parallel", load_drafter(a.parallel_checkpoint, target)))
     if a.random_baseline:
@@ -226,7 +239,9 @@ def _run_eval(a) -> int:
     prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.max_samples)
     res = evaluate(target, tok, methods, prompts, max_new_tokens=a.max_new_tokens,
                    temperatures=[float(t) for t in a.temperatures.split(",")], progress=not a.no_progress)
-    res["checkpoints"] = {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint}
+    res["checkpoints"] = {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint,
+                          "dspark-previous": a.previous_checkpoint}
+    res["as_served"] = bool(a.as_served)
     if a.live_t1:
         live_prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.live_t1)
         live = {m.name: live_tau(target, tok, live_prompts, "prompt_lookup" if m.name == "prompt-lookup" else m.name,

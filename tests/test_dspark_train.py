@@ -187,12 +187,14 @@ def test_block_targets_and_loss_terms(target_fp32, teacher_batch):
     assert lo.tau_prob[1] == 6 and 6.0 <= lo.tau_prob[0] <= 6 * 8
 
 
-def test_draft_vocab_loss_is_the_restricted_drafters_distance(target_fp32, teacher_batch):
+@pytest.mark.model
+@pytest.mark.parametrize("variant", ["vanilla", "gated"])
+def test_draft_vocab_loss_is_the_restricted_drafters_distance(target_fp32, teacher_batch, variant):
     """With a draft vocabulary D the loss is that of the served restricted drafter: p_d is the
     softmax over D (−∞ elsewhere), L1 = Σ_V |p_d − p_t| with p_d = 0 off D, CE over slots whose
     token is in D; with D = all ids it is the full loss."""
     tb = teacher_batch
-    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=5))
+    dr = DSparkDrafter(target_fp32, DrafterConfig(init_seed=5, markov_variant=variant))
     with torch.no_grad():
         dr.markov.w2.weight.normal_(0, 0.05)  # a non-zero Markov bias, so its restriction matters
     anchors = torch.tensor([[10, 20], [30, 36], [8, 12]])

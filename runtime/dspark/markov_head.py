@@ -17,6 +17,7 @@ stateless, so teacher-forced training and left-to-right sampling share
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.dspark.config import MARKOV_VARIANTS
@@ -51,29 +52,38 @@ class MarkovHead(nn.Module):
         """W1[x_{k−1}]: int64 ``[...]`` → fp32 ``[..., r]``."""
         return self.w1(prev_tokens.long())
 
-    def bias(self, prev_tokens: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def bias(
+        self, prev_tokens: torch.Tensor, hidden: torch.Tensor | None = None, vocab: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The additive bias for each slot.
 
         Args:
             prev_tokens: int64 ``[...]``, x_{k−1} of each slot.
             hidden: ``[..., d]`` backbone hidden h_k (any float dtype); required by
                 the gated variant, ignored by vanilla.
+            vocab: int64 ``[N]`` token ids: the bias of those columns only (a draft
+                vocabulary), or ``None`` (all V).
 
         Returns:
-            fp32 ``[..., V]``.
+            fp32 ``[..., V]`` (``[..., N]`` with ``vocab``).
         """
         e = self.prev_embedding(prev_tokens)
         if self.gate is not None:
             if hidden is None:
                 raise ValueError("the gated Markov head needs the backbone hidden states")
             e = torch.sigmoid(self.gate(torch.cat([hidden.float(), e], dim=-1))) * e
-        return self.w2(e)
+        return self.w2(e) if vocab is None else F.linear(e, self.w2.weight[vocab])
 
     def corrected_logits(
-        self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor | None = None
+        self,
+        base_logits: torch.Tensor,
+        prev_tokens: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """U_k + B(x_{k−1}, ·): ``[..., V]`` (any float) → fp32 ``[..., V]``."""
-        return base_logits.float() + self.bias(prev_tokens, hidden)
+        """U_k + B(x_{k−1}, ·): ``[..., V]`` (any float) → fp32 ``[..., V]``; with ``vocab``
+        the base logits and the result are over those N ids (``[..., N]``)."""
+        return base_logits.float() + self.bias(prev_tokens, hidden, vocab)
 
 
 def build_markov_head(vocab_size: int, rank: int, hidden_size: int, variant: str) -> MarkovHead | None:
@@ -84,12 +94,17 @@ def build_markov_head(vocab_size: int, rank: int, hidden_size: int, variant: str
 
 
 def apply_markov(
-    head: MarkovHead | None, base_logits: torch.Tensor, prev_tokens: torch.Tensor, hidden: torch.Tensor | None
+    head: MarkovHead | None,
+    base_logits: torch.Tensor,
+    prev_tokens: torch.Tensor,
+    hidden: torch.Tensor | None,
+    vocab: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Corrected logits, or the base logits in fp32 when there is no head."""
+    """Corrected logits, or the base logits in fp32 when there is no head (``vocab``: as
+    :meth:`MarkovHead.corrected_logits`)."""
     if head is None:
         return base_logits.float()
-    return head.corrected_logits(base_logits, prev_tokens, hidden)
+    return head.corrected_logits(base_logits, prev_tokens, hidden, vocab)
 
 
 __all__ = ["MarkovHead", "build_markov_head", "apply_markov"]

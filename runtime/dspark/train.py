@@ -149,17 +149,9 @@ def draft_log_probs(
             base logits and Markov bias only over these ids, p_d = 0 elsewhere), or ``None``
             (all V). Column i of the result is token ``vocab[i]``.
     """
-    if vocab is None:
-        U = F.linear(hidden.to(drafter.target.dtype), drafter.target.lm_head_weight).float()
-        return torch.log_softmax(apply_markov(drafter.markov, U, prev_tokens, hidden), dim=-1)
-    U = F.linear(hidden.to(drafter.target.dtype), drafter.target.lm_head_weight[vocab]).float()
-    m = drafter.markov
-    if m is not None:
-        e = m.prev_embedding(prev_tokens)
-        if m.gate is not None:
-            e = torch.sigmoid(m.gate(torch.cat([hidden.float(), e], dim=-1))) * e
-        U = U + F.linear(e, m.w2.weight[vocab])
-    return torch.log_softmax(U, dim=-1)
+    head = drafter.target.lm_head_weight
+    U = F.linear(hidden.to(drafter.target.dtype), head if vocab is None else head[vocab]).float()
+    return torch.log_softmax(apply_markov(drafter.markov, U, prev_tokens, hidden, vocab), dim=-1)
 
 
 def confidence_logits(drafter: DSparkDrafter, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Command-line entry points of the drafter pipeline: ``regen``, ``train``, ``calibrate``, ``eval``.
+"""Command-line entry points of the drafter pipeline: ``regen``, ``build-features``, ``train``, ``calibrate``, ``eval``.
 
     python -m runtime.dspark.cli regen     [--num-prompts 5500] [--limit N] ...
-    python -m runtime.dspark.cli train     --out runtime/dspark/checkpoints/candidate [--minutes 20] ...
+    python -m runtime.dspark.cli build-features --out /work/features   # teacher features, once (~10 GB)
+    python -m runtime.dspark.cli train     --out runtime/dspark/checkpoints/candidate [--feature-cache DIR] ...
     python -m runtime.dspark.cli calibrate --checkpoint DIR
     python -m runtime.dspark.cli eval      --checkpoint DIR [--max-samples 20] ...
     python -m runtime.dspark.cli export    --checkpoint DIR --out runtime/dspark/checkpoints/default
@@ -112,7 +113,10 @@ def _add_train(sub) -> None:
     p.add_argument("--draft-vocab", default=None, metavar="DIR",
                    help="train over the draft vocabulary in DIR/draft_vocab.json, as the fused drafter serves it")
     p.add_argument("--teacher-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="frozen target dtype (fp32 is faster on CPUs without AMX)")
+                   help="frozen target dtype: the teacher's (online features) and the drafter's shared "
+                        "embedding / LM head's; time a step both ways on a new CPU")
+    p.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="read the teacher features from a `build-features` cache instead of running the target")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--no-progress", action="store_true")
@@ -129,11 +133,39 @@ def _run_train(a) -> int:
         anchors_per_seq=a.anchors, accum=a.accum, max_len=a.max_len, lr=a.lr, warmup_frac=a.warmup_frac,
         steps=a.steps, max_minutes=a.minutes, save_every=a.save_every, val_every=a.val_every,
         val_seqs=a.val_seqs, threads=a.threads, seed=a.seed, init=a.init, draft_vocab=a.draft_vocab,
-        teacher_dtype=a.teacher_dtype,
+        teacher_dtype=a.teacher_dtype, feature_cache=a.feature_cache,
     )  # fmt: skip
     _stop_on_sigterm()
     r = train(cfg, resume=not a.no_resume, progress=not a.no_progress)
     r.pop("drafter")
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+def _add_features(sub) -> None:
+    from runtime.dspark.config import DrafterConfig
+    from runtime.dspark.train import TrainConfig
+
+    p = sub.add_parser("build-features", help="compute the target's teacher features once into a disk cache "
+                       "(resumable; `train --feature-cache DIR` reads it)")
+    p.add_argument("--out", required=True, help="cache dir (~10 GB for the committed data)")
+    p.add_argument("--data", default=TrainConfig().data_dir, help="regenerated data dir")
+    p.add_argument("--tap-layers", default=",".join(map(str, DrafterConfig().target_layer_ids)),
+                   help="the drafter's target layer ids (comma-separated)")
+    p.add_argument("--max-len", type=int, default=TrainConfig().max_len, help="the training cut")
+    p.add_argument("--teacher-dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--workers", type=int, default=2, help="processes of one torch thread each")
+    p.add_argument("--seqs-per-batch", type=int, default=4)
+    p.add_argument("--limit", type=int, default=None, help="stop after N more sequences")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _run_features(a) -> int:
+    from runtime.dspark.feature_cache import build_feature_cache
+
+    r = build_feature_cache(a.out, a.data, [int(t) for t in a.tap_layers.split(",")], max_len=a.max_len,
+                            teacher_dtype=a.teacher_dtype, workers=a.workers, seqs_per_batch=a.seqs_per_batch,
+                            limit=a.limit, progress=not a.no_progress)
     print(json.dumps(r, indent=2))
     return 0
 
@@ -298,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark drafter pipeline (docs/drafter.md)")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_regen(sub)
+    _add_features(sub)
     _add_train(sub)
     _add_calibrate(sub)
     _add_eval(sub)
@@ -306,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-RUNNERS = {"regen": _run_regen, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval,
+RUNNERS = {"regen": _run_regen, "build-features": _run_features, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval,
            "export": _run_export, "draft-vocab": _run_draft_vocab}
 
 

@@ -46,6 +46,10 @@ class TeacherBatch:
         prompt_lens: int64 ``[N]``.
         taps: fp32 ``[N, L, m, d]`` tapped residual streams (0 in padding).
         hidden: ``[N, L, d]`` final-normed target hidden (target dtype; 0 in padding).
+        lse: fp32 ``[N, L]`` logsumexp of the target's logits at each position, or ``None``
+            (online features; p_t is then normalised from the full logits). Set by the
+            feature cache (:mod:`runtime.dspark.feature_cache`), where ``hidden`` and ``lse``
+            hold only the rows a block slot reads.
     """
 
     tokens: torch.Tensor
@@ -53,6 +57,7 @@ class TeacherBatch:
     prompt_lens: torch.Tensor
     taps: torch.Tensor
     hidden: torch.Tensor
+    lse: torch.Tensor | None = None
 
 
 def teacher_forward(
@@ -131,6 +136,7 @@ class BlockTargets:
         target_tokens: int64 ``[N, A, γ]`` x_k = tokens[p+k] (0 where invalid).
         valid: bool ``[N, A, γ]`` (anchor valid and p+k ≤ L−1).
         hidden_rows: ``[N, A, γ, d]`` target hidden at p+k−1 (for p_t; 0 where invalid).
+        lse_rows: fp32 ``[N, A, γ]`` the target's logsumexp at p+k−1, or ``None`` (online).
     """
 
     anchor_tokens: torch.Tensor
@@ -138,6 +144,7 @@ class BlockTargets:
     target_tokens: torch.Tensor
     valid: torch.Tensor
     hidden_rows: torch.Tensor
+    lse_rows: torch.Tensor | None = None
 
 
 def block_targets(tb: TeacherBatch, anchors: torch.Tensor, anchor_valid: torch.Tensor, gamma: int) -> BlockTargets:
@@ -152,8 +159,37 @@ def block_targets(tb: TeacherBatch, anchors: torch.Tensor, anchor_valid: torch.T
     target_tokens = torch.where(valid, tb.tokens[rows, tpos_c], 0)
     prev_tokens = tb.tokens[rows, (tpos - 1).clamp(max=L - 1)]
     hidden_rows = tb.hidden[rows, (tpos - 1).clamp(max=L - 1)] * valid[..., None].to(tb.hidden.dtype)
+    lse_rows = None if tb.lse is None else tb.lse[rows, (tpos - 1).clamp(max=L - 1)] * valid
     anchor_tokens = tb.tokens[torch.arange(N)[:, None], anchors]
-    return BlockTargets(anchor_tokens, prev_tokens, target_tokens, valid, hidden_rows)
+    return BlockTargets(anchor_tokens, prev_tokens, target_tokens, valid, hidden_rows, lse_rows)
+
+
+class TeacherHead:
+    """The target's LM head for p_t in training, in fp32, optionally over a draft vocabulary.
+
+    ``log_probs(h, lse)`` = ``h·W[D]ᵀ − lse`` when the logsumexp is known (feature cache):
+    only the |D| columns are computed, normalised over all V. Without ``lse`` the full
+    logits are computed and log-softmaxed, then restricted to D.
+    """
+
+    def __init__(self, target: LlamaModel, vocab: torch.Tensor | None = None) -> None:
+        self.weight = target.lm_head_weight.detach().float()
+        self.vocab = vocab
+        self.weight_d = self.weight if vocab is None else self.weight[vocab].contiguous()
+
+    def log_probs(self, hidden_rows: torch.Tensor, lse_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """log p_t at T = 1: fp32 ``[R, V]``, or ``[R, |D|]`` (columns = the vocabulary's ids).
+
+        Args:
+            hidden_rows: ``[R, d]`` final-normed target hidden states.
+            lse_rows: fp32 ``[R]`` their full-vocabulary logsumexp, or ``None``.
+        """
+        with torch.no_grad():
+            h = hidden_rows.float()
+            if lse_rows is not None:
+                return torch.nn.functional.linear(h, self.weight_d) - lse_rows.float()[:, None]
+            lp = torch.log_softmax(torch.nn.functional.linear(h, self.weight), dim=-1)
+            return lp if self.vocab is None else lp[:, self.vocab]
 
 
 def target_log_probs(target: LlamaModel, hidden_rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -328,3 +328,29 @@ def test_lr_schedule_follows_the_time_budget_when_it_runs_out_first():
     assert lr_at(cfg, 90, elapsed_s=60) == pytest.approx(lr_at(cfg, 90))  # steps further along: they rule
     no_budget = TrainConfig(lr=1e-3, steps=100)
     assert lr_at(no_budget, 10, elapsed_s=1e9) == lr_at(no_budget, 10)
+
+
+@pytest.mark.model
+def test_bf16_autocast_step_is_close_to_fp32_and_keeps_fp32_master_grads(target_fp32, teacher_batch):
+    dr = init_drafter(target_fp32, TrainConfig(drafter=DrafterConfig(init_seed=4).to_dict())).requires_grad_(True)
+    with torch.no_grad():
+        dr.markov.w2.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+
+    def run(dtype):
+        dr.zero_grad(set_to_none=True)
+        lo, _ = micro_batch_loss(dr, target_fp32, [], [], 8, torch.Generator().manual_seed(3), tb=teacher_batch,
+                                 compute_dtype=dtype)  # fmt: skip
+        lo.total.backward()
+        return lo, {n: p.grad.clone() for n, p in dr.named_parameters() if p.grad is not None}
+
+    lo32, g32 = run("float32")
+    lo16, g16 = run("bfloat16")
+    assert lo16.num_slots == lo32.num_slots > 20
+    assert lo16.l1 == pytest.approx(lo32.l1, abs=0.02) and lo16.ce == pytest.approx(lo32.ce, rel=0.02)
+    assert lo16.l1 != lo32.l1  # really computed in bf16
+    assert set(g16) == set(g32) and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in g16.values())
+    for n in ("layers.0.mlp.down_proj.weight", "fc.weight", "markov.w2.weight"):
+        cos = torch.nn.functional.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0)
+        assert cos > 0.95, (n, float(cos))
+    with pytest.raises(ValueError, match="compute_dtype"):
+        micro_batch_loss(dr, target_fp32, [], [], 8, torch.Generator(), tb=teacher_batch, compute_dtype="float16")

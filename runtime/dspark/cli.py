@@ -115,6 +115,8 @@ def _add_train(sub) -> None:
     p.add_argument("--teacher-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="frozen target dtype: the teacher's (online features) and the drafter's shared "
                         "embedding / LM head's; time a step both ways on a new CPU")
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the drafter's matmuls: fp32, or bf16 autocast over fp32 master weights")
     p.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="read the teacher features from a `build-features` cache instead of running the target")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -133,7 +135,7 @@ def _run_train(a) -> int:
         anchors_per_seq=a.anchors, accum=a.accum, max_len=a.max_len, lr=a.lr, warmup_frac=a.warmup_frac,
         steps=a.steps, max_minutes=a.minutes, save_every=a.save_every, val_every=a.val_every,
         val_seqs=a.val_seqs, threads=a.threads, seed=a.seed, init=a.init, draft_vocab=a.draft_vocab,
-        teacher_dtype=a.teacher_dtype, feature_cache=a.feature_cache,
+        teacher_dtype=a.teacher_dtype, feature_cache=a.feature_cache, compute_dtype=a.compute_dtype,
     )  # fmt: skip
     _stop_on_sigterm()
     r = train(cfg, resume=not a.no_resume, progress=not a.no_progress)
@@ -200,6 +202,7 @@ def _run_calibrate(a) -> int:
 
 
 def _add_eval(sub) -> None:
+    from runtime.config import EngineConfig
     from runtime.dspark.evaluate import TASK_CAPS
 
     p = sub.add_parser("eval", help="τ on the DeepSpec eval sets (T=0 exact, T=1 expected)")
@@ -215,6 +218,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--previous-checkpoint", default=None,
                    help="a second DSpark drafter (method 'dspark-previous'; restricted with --as-served)")
     p.add_argument("--no-prompt-lookup", action="store_true")
+    p.add_argument("--lookup-gamma", type=int, default=EngineConfig().num_speculative_tokens,
+                   help="prompt lookup's proposal length (default: the engine's num_speculative_tokens, as served)")
     p.add_argument("--tasks", default=",".join(TASK_CAPS))
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -267,7 +272,7 @@ def _run_eval(a) -> int:
     if a.random_baseline:
         methods.append(DrafterMethod("random-init", DSparkDrafter(target, DrafterConfig())))
     if not a.no_prompt_lookup:
-        methods.append(PromptLookupMethod(methods[0].gamma if methods else 7))
+        methods.append(PromptLookupMethod(a.lookup_gamma))
     prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.max_samples)
     res = evaluate(target, tok, methods, prompts, max_new_tokens=a.max_new_tokens,
                    temperatures=[float(t) for t in a.temperatures.split(",")], progress=not a.no_progress)

@@ -184,7 +184,7 @@ class TeacherHead:
             hidden_rows: ``[R, d]`` final-normed target hidden states.
             lse_rows: fp32 ``[R]`` their full-vocabulary logsumexp, or ``None``.
         """
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             h = hidden_rows.float()
             if lse_rows is not None:
                 return torch.nn.functional.linear(h, self.weight_d) - lse_rows.float()[:, None]

@@ -184,7 +184,7 @@ class MetricsObserver:
     @staticmethod
     def _spec(o: RequestOutcome, tier: str) -> None:
         s = o.spec
-        SPEC_DRAFTS.inc(s.rounds)
+        SPEC_DRAFTS.inc(s.rounds - s.gated_rounds)  # gated rounds drafted nothing
         SPEC_DRAFT_TOKENS.inc(s.drafted)
         SPEC_VERIFIED_TOKENS.inc(s.verified)
         SPEC_ACCEPTED_TOKENS.inc(s.accepted)
@@ -229,6 +229,11 @@ class StateCollector:
                                   "Forwards that verified >= 1 decoding request (rounds).", load.decode_steps)
         yield CounterMetricFamily("sparkgate:engine_verify_tokens",
                                   "Tokens verified over those rounds: sum of B = sum_r (1 + l_r).", load.verify_tokens)
+        yield CounterMetricFamily("sparkgate:spec_decode_steps",
+                                  "Decode rounds that drafted and verified (speculation on).", load.spec_steps)
+        yield CounterMetricFamily("sparkgate:spec_decode_gated_steps",
+                                  "Decode rounds the speculation gate ran as plain decode (no drafting).",
+                                  load.spec_gated_steps)
         yield CounterMetricFamily("sparkgate:prefix_cache_queries",
                                   "Prefix cache queries, in prompt tokens looked up.", load.prefix_cache_queries)
         yield CounterMetricFamily("sparkgate:prefix_cache_hits",

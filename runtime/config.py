@@ -53,6 +53,11 @@ class EngineConfig:
             0 disables it. Default 256 × 16 = 4096 tokens ≈ 180 MiB in fp32 (90 MiB in
             bf16) of target KV, plus the drafter's context K/V when speculating.
         prefix_block_size: tokens per prefix-cache block (reuse is block-granular).
+        spec_gate: when speculating, decide per step — before drafting, from measured
+            speed of past steps — whether to speculate or run a plain AR step
+            (:class:`runtime.dspark.gate.SpecGate`; lossless). ``False`` → every step
+            with decoding sequences drafts (the behaviour before the gate). Ignored
+            when ``spec_method`` is ``"none"``.
     """
 
     dtype: str = "auto"
@@ -73,6 +78,7 @@ class EngineConfig:
     profile_on_start: bool = False
     prefix_cache_blocks: int = 256
     prefix_block_size: int = 16
+    spec_gate: bool = True
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:

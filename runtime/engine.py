@@ -6,7 +6,9 @@ worker thread so the HTTP event loop never blocks.
 
 One step = ONE target forward (counted in :attr:`LLMEngine.forward_steps`) over
 every decoding sequence's anchor token (plus verified draft tokens when
-speculating) and the prefill chunks the batch scheduler picked.
+speculating) and the prefill chunks the batch scheduler picked. With a speculator,
+the speculation gate (:mod:`runtime.dspark.gate`, ``EngineConfig.spec_gate``) decides
+before drafting whether a step speculates or decodes plainly (every ℓ_r = 0).
 
 Logprobs (requests with ``SamplingParams.logprobs`` set) come from the same
 forward: the raw target logits of the row that produced each emitted token
@@ -39,6 +41,7 @@ from runtime.interface import (
 from runtime.models.gguf_weights import use_kernel_threads
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import MODEL_NAME, ensure_converted
+from runtime.dspark.gate import SpecGate
 from runtime.dspark.verifier import spec_round
 from runtime.logprobs import token_logprobs
 from runtime.sampler import params_to_tensors, sample, warp_probs
@@ -105,9 +108,13 @@ class LLMEngine:
             from runtime.dspark.profile_engine import ensure_profiled
 
             ensure_profiled(self)  # cached SPS profile, else profile now (paper §3.2.2)
+        # Speculate or decode plainly, per step, by measured speed (runtime/dspark/gate.py).
+        self.gate = SpecGate() if (self.speculator is not None and config.spec_gate) else None
         self.forward_steps = 0
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
+        self.spec_steps = 0  # decode rounds that drafted (speculator present)
+        self.gated_steps = 0  # decode rounds the gate ran as plain AR (no drafting); + spec_steps = decode_steps
         self._by_id: dict[str, Sequence] = {}
 
     # -- requests -----------------------------------------------------------
@@ -173,8 +180,11 @@ class LLMEngine:
 
     def _run(self, plan: StepPlan) -> None:
         """Build ONE ragged forward: decode spans ``[anchor, x_1..x_ℓ]`` then prefill chunks."""
+        t0 = time.perf_counter()
         spec = self.speculator
-        proposal = spec.propose(plan.decode) if (spec is not None and plan.decode) else None
+        # Decided before drafting, from past steps only (lossless: runtime/dspark/gate.py).
+        speculate = spec is not None and bool(plan.decode) and (self.gate is None or self.gate.speculate(len(plan.decode)))
+        proposal = spec.propose(plan.decode) if speculate else None
         ids: list[int] = []
         spans: list[SeqSpan] = []
         for i, seq in enumerate(plan.decode):
@@ -214,7 +224,14 @@ class LLMEngine:
         if plan.decode:
             self.decode_steps += 1
             self.verify_tokens += num_verify_rows
-            self._verify(plan.decode, proposal, out, num_verify_rows)
+            if spec is not None:
+                if speculate:
+                    self.spec_steps += 1
+                else:
+                    self.gated_steps += 1
+            produced = self._verify(plan.decode, proposal, out, num_verify_rows)
+            if self.gate is not None and not plan.prefill:  # prefill chunks would blur the step's cost
+                self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
             temp, top_k, top_p = params_to_tensors([s.request.sampling for s in prefill_done])
@@ -224,8 +241,14 @@ class LLMEngine:
                 seq.status = SeqStatus.DECODE
                 self._append_tokens(seq, [tok], logprobs=lp)
 
-    def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int) -> None:
-        """Accept/reject drafts (standard speculative sampling), commit caches, emit."""
+    def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int) -> int:
+        """Accept/reject drafts (standard speculative sampling), commit caches, emit.
+
+        ``proposal`` ``None``: a plain decode round (no speculator, or the gate chose AR).
+        With a speculator, such a round still counts in each request's
+        :class:`~runtime.interface.SpecStats` as a round with 0 drafted / 0 verified /
+        1 emitted, so ``emitted`` stays every token after the first and τ the tokens per
+        target forward. Returns the tokens produced (before stop/EOS/max_tokens cuts)."""
         temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
         if proposal is None:  # autoregressive: every request verifies just its anchor (ℓ = 0)
             lengths, draft_probs = [0] * len(seqs), out.logits.new_zeros(0, out.logits.shape[-1])
@@ -246,10 +269,11 @@ class LLMEngine:
         lps = self._logprobs(out.logits[:num_rows], seqs, res.tokens, res.token_rows)
         for i, (seq, ell, acc, toks, lp) in enumerate(zip(seqs, lengths, accepted, res.tokens, lps)):
             count = None
-            if proposal is not None:
-                def count(kept, seq=seq, drafted=proposal.drafted[i], ell=ell, acc=acc):
-                    self._count_spec(seq, drafted, ell, min(acc, kept), kept)
+            if self.speculator is not None:
+                def count(kept, seq=seq, drafted=proposal.drafted[i] if proposal is not None else 0, ell=ell, acc=acc):
+                    self._count_spec(seq, drafted, ell, min(acc, kept), kept, gated=proposal is None)
             self._append_tokens(seq, toks, count, lp)
+        return sum(len(t) for t in res.tokens)
 
     def _logprobs(
         self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]], rows: list[list[int]]
@@ -270,10 +294,13 @@ class LLMEngine:
             start += n
         return out
 
-    def _count_spec(self, seq: Sequence, drafted: int, verified: int, accepted: int, emitted: int) -> None:
-        """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted."""
+    def _count_spec(self, seq: Sequence, drafted: int, verified: int, accepted: int, emitted: int,
+                    gated: bool = False) -> None:
+        """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted.
+        ``gated``: a plain decode round chosen by the speculation gate (still a round)."""
         st = seq.spec
         st.rounds += 1
+        st.gated_rounds += gated
         st.drafted += drafted
         st.verified += verified
         st.accepted += accepted

@@ -97,6 +97,11 @@ class SpecStats:
     round (bonus/anchor token included). ``accepted_per_position[j]`` counts
     rounds whose draft token at position j+1 was accepted. Tokens cut by stop
     strings, EOS or max_tokens are not counted.
+
+    A round is one target forward the request decoded in. ``gated_rounds`` of them
+    were plain decode steps chosen by the speculation gate (``runtime.dspark.gate``):
+    each counts as a round with 0 drafted / 0 verified / 0 accepted / 1 emitted, so
+    ``emitted`` is still every token after the first and ``tau`` the tokens per forward.
     """
 
     rounds: int = 0
@@ -105,6 +110,7 @@ class SpecStats:
     accepted: int = 0
     emitted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    gated_rounds: int = 0
 
     @property
     def tau(self) -> float:
@@ -120,6 +126,7 @@ class SpecStats:
             "emitted": self.emitted,
             "tau": round(self.tau, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "gated_rounds": self.gated_rounds,
         }
 
 
@@ -253,6 +260,8 @@ class LoadSnapshot:
     verify_tokens: int = 0  # engine counter: Σ over those rounds of B = Σ_r (1 + ℓ_r) tokens verified
     prefix_cache_queries: int = 0  # engine counter: prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # engine counter: of those, KV reused (not prefilled again)
+    spec_steps: int = 0  # engine counter: decode rounds that drafted (speculation on)
+    spec_gated_steps: int = 0  # engine counter: decode rounds the speculation gate ran as plain decode
 
 
 @dataclass

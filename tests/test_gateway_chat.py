@@ -87,7 +87,7 @@ async def test_spec_stats_extension(client, auth, backend):
     spec = r.json()["spec_stats"]
     # fake: emitted 5, rounds (5+2)//3 = 2
     assert spec == {"rounds": 2, "drafted": 8, "verified": 8, "accepted": 3, "emitted": 5, "tau": 2.5,
-                    "accepted_per_position": [2, 1]}
+                    "accepted_per_position": [2, 1], "gated_rounds": 0}
     r = await client.post(URL, json=chat(return_spec_stats=True, max_tokens=5, stream=True,
                                          stream_options={"include_usage": True}), headers=auth)
     chunks = chunks_of(parse_sse(r.text))

@@ -12,6 +12,7 @@ import json
 import socket
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -24,7 +25,7 @@ from gateway.crud.keys import issue_key
 from gateway.main import create_app
 from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED, RequestContext, RequestOutcome
 from runtime.dspark.sps import SpsTable
-from runtime.interface import Finished, FinishReason, RequestTimings, SpecInfo, SpecStats, TextDelta
+from runtime.interface import Finished, FinishReason, LoadSnapshot, RequestTimings, SpecInfo, SpecStats, TextDelta
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat, make_settings
 from tests.tenancy_fixtures import admin_setup, new_key
@@ -110,6 +111,16 @@ async def test_inter_token_latency_is_measured_per_delta(app, client, auth, back
     assert d("sparkgate:inter_token_latency_seconds_bucket", le="0.5", **labels) == 3
     e2e = d("sparkgate:e2e_request_latency_seconds_sum", **labels)
     assert e2e >= itl_sum + d("sparkgate:time_to_first_token_seconds_sum", **labels)
+
+
+def test_gated_rounds_are_not_counted_as_drafts():
+    """Rounds the speculation gate ran as plain decode drafted nothing: not in num_drafts."""
+    d = Delta()
+    stats = SpecStats(rounds=10, drafted=12, verified=5, accepted=3, emitted=13, accepted_per_position=[2, 1],
+                      gated_rounds=7)
+    metrics.MetricsObserver._spec(SimpleNamespace(spec=stats), "default")  # verified/rounds 0.5: exact in binary
+    assert d("sparkgate:spec_decode_num_drafts_total") == 3
+    assert d("sparkgate:spec_decode_num_draft_tokens_total") == 12
 
 
 async def test_spec_stats_feed_the_spec_decode_counters(app, client, auth):
@@ -323,6 +334,10 @@ async def test_tenant_labels_are_capped_and_users_never_exported(db_url):
 # -- /metrics endpoint and engine collector ---------------------------------------------------
 
 class SpecFake(FakeBackend):
+    def load(self) -> LoadSnapshot:
+        return LoadSnapshot(running=0, waiting=0, max_batch=16, forward_steps=14, decode_steps=12,
+                            spec_steps=5, spec_gated_steps=7)
+
     def spec_info(self) -> SpecInfo:
         table = SpsTable([1, 8], [512, 2048], [[30.0, 27.0], [20.0, 18.0]], note="test")
         return SpecInfo("dspark", "dspark-sla", 7, table.to_dict())
@@ -344,6 +359,8 @@ async def test_metrics_needs_admin_token_and_exports_engine_and_writer_state(db_
     sps = {(s.labels["budget_tokens"], s.labels["context_len"]): s.value for s in fams["sparkgate:sps"].samples}
     assert sps[("8", "512")] == 27.0 and sps[("1", "2048")] == 20.0 and len(sps) == 4
     assert "sparkgate:engine_verify_tokens" in fams and "sparkgate:time_to_first_token_seconds" in fams
+    assert fams["sparkgate:spec_decode_steps"].samples[0].value == 5
+    assert fams["sparkgate:spec_decode_gated_steps"].samples[0].value == 7
     assert fams["sparkgate:db_writer_queue_depth"].samples[0].value == writer.buffered
     assert fams["sparkgate:db_records_dropped"].samples[0].value == 2
 

@@ -81,3 +81,27 @@ def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     e = LLMEngine(EngineConfig(dtype="auto", max_batch_size=1, max_context=64), lambda rid, ev: None,
                   model=target_fp32, tokenizer=tokenizer)
     assert e.config.dtype == resolve_dtype("auto") and e.config.dtype in ("gguf", "bfloat16", "float32")
+
+
+def test_spec_gate_setting_reaches_the_engine_config(monkeypatch):
+    """``SPARKGATE_SPEC_GATE`` (default on) → ``EngineConfig.spec_gate``."""
+    from gateway.core.config import Settings
+
+    monkeypatch.delenv("SPARKGATE_SPEC_GATE", raising=False)
+    assert EngineConfig().spec_gate is True and Settings(_env_file=None).engine_config().spec_gate is True
+    monkeypatch.setenv("SPARKGATE_SPEC_GATE", "false")
+    assert Settings(_env_file=None).engine_config().spec_gate is False
+
+
+@pytest.mark.model
+def test_engine_builds_the_gate_only_when_speculating_with_it_on(target_fp32, tokenizer):
+    from runtime.dspark.gate import SpecGate
+    from runtime.engine import LLMEngine
+
+    def gate(**cfg):
+        return LLMEngine(EngineConfig(dtype="float32", max_batch_size=1, max_context=64, **cfg), lambda rid, ev: None,
+                         model=target_fp32, tokenizer=tokenizer).gate
+
+    assert isinstance(gate(spec_method="prompt_lookup"), SpecGate)
+    assert gate(spec_method="prompt_lookup", spec_gate=False) is None
+    assert gate(spec_method="none") is None

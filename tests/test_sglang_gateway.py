@@ -327,7 +327,8 @@ def test_non_streamed_chat_completion(stack):
     assert spec == {"spec_rounds": 3, "spec_drafted": 12, "spec_verified": 5, "spec_accepted": 2,
                     "spec_emitted": 5, "accepted_per_position": [2]}
     assert out["spec_stats"] == {"rounds": 3, "drafted": 12, "verified": 5, "accepted": 2, "emitted": 5,
-                                 "tau": round(meta["spec_accept_length"], 4), "accepted_per_position": [2]}
+                                 "tau": round(meta["spec_accept_length"], 4), "accepted_per_position": [2],
+                                 "gated_rounds": 0}
     assert_record(rec, out["id"], meta, spec, stream=False, finish_reason="length")
     assert_spec_counters_moved(before, after, rec)
 

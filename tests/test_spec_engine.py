@@ -13,6 +13,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.interface import FinishReason, GenerationRequest, SamplingParams, TextDelta
+from runtime.sequence import SeqStatus
 
 pytestmark = pytest.mark.model
 
@@ -32,7 +33,8 @@ def chat_ids(tokenizer, text):
     return tokenizer.encode(s, add_special_tokens=False)
 
 
-def run(model, tokenizer, prompts, sampling, **cfg):
+def run(model, tokenizer, prompts, sampling, setup=None, **cfg):
+    """Run ``prompts`` to completion; ``setup(engine)`` (optional) runs before the first step."""
     events: dict[str, list] = {}
     engine = LLMEngine(
         EngineConfig(**{"dtype": "float32", "max_batch_size": len(prompts), "max_context": 1024, **cfg}),
@@ -40,6 +42,8 @@ def run(model, tokenizer, prompts, sampling, **cfg):
         model=model,
         tokenizer=tokenizer,
     )
+    if setup is not None:
+        setup(engine)
     for i, ids in enumerate(prompts):
         engine.add_request(GenerationRequest(str(i), ids, sampling))
     while engine.has_work():
@@ -78,6 +82,111 @@ def test_t0_speculative_equals_autoregressive_fp32(target_fp32, tokenizer, promp
         assert sum(st.accepted_per_position) == st.accepted
 
 
+class ForcedGate:
+    """Stand-in for :class:`runtime.dspark.gate.SpecGate`: ``decide(k)`` for the k-th
+    decision (1-based); measurements are ignored."""
+
+    def __init__(self, decide):
+        self.decide = decide
+        self.calls = 0
+
+    def speculate(self, num_seqs: int) -> bool:
+        self.calls += 1
+        return self.decide(self.calls)
+
+    def record(self, *args) -> None:
+        pass
+
+
+def check_draft_context_every_step(engine):
+    """After every step, each decoding sequence's drafter context holds exactly its
+    target-cached positions (the speculator invariant), whichever mode the step ran."""
+    step = engine.step
+
+    def checked_step():
+        step()
+        for seq in engine.scheduler.running:
+            if seq.status is SeqStatus.DECODE:
+                assert engine.speculator.dcache.lengths[seq.slot] == seq.num_cached
+
+    engine.step = checked_step
+
+
+def test_gate_forced_to_ar_equals_ar_and_verifies_no_drafts(target_fp32, tokenizer, prompts20, ar_greedy):
+    _, ar_tokens, _, _ = ar_greedy
+
+    def setup(engine):
+        engine.gate = ForcedGate(lambda k: False)
+        engine.speculator.propose = None  # drafting must not even be attempted
+        check_draft_context_every_step(engine)
+
+    engine, tokens, _, finals = run(target_fp32, tokenizer, prompts20, SamplingParams(temperature=0, max_tokens=40),
+                                    setup=setup, spec_method="dspark", spec_policy="fixed")
+    assert tokens == ar_tokens
+    assert engine.spec_steps == 0 and engine.gated_steps == engine.decode_steps > 0
+    assert engine.verify_tokens == sum(f.completion_tokens - 1 for f in finals.values())  # anchors only
+    for f in finals.values():
+        st = f.spec
+        assert st.drafted == st.verified == st.accepted == 0 and sum(st.accepted_per_position) == 0
+        assert st.rounds == st.gated_rounds == st.emitted == f.completion_tokens - 1 and st.tau == 1.0
+
+
+def test_gate_alternating_modes_keeps_drafting_correct(target_fp32, tokenizer, prompts20, ar_greedy):
+    """AR steps between speculative ones still commit the target's taps to the drafter's
+    context: the invariant holds after every step, and the trained drafter's drafts keep
+    getting accepted after AR steps."""
+    _, ar_tokens, _, _ = ar_greedy
+    prompts = prompts20[:6]
+
+    def setup(engine):
+        engine.gate = ForcedGate(lambda k: k % 3 == 0)  # AR, AR, speculate, …
+        check_draft_context_every_step(engine)
+
+    engine, tokens, _, finals = run(target_fp32, tokenizer, prompts, SamplingParams(temperature=0, max_tokens=40),
+                                    setup=setup, spec_method="dspark", spec_policy="fixed")
+    assert all(tokens[k] == ar_tokens[k] for k in tokens)
+    assert engine.spec_steps > 0 and engine.gated_steps > engine.spec_steps
+    assert engine.spec_steps + engine.gated_steps == engine.decode_steps
+    assert sum(f.spec.accepted for f in finals.values()) > 0
+    for f in finals.values():
+        st = f.spec
+        assert st.emitted == f.completion_tokens - 1 and 0 < st.gated_rounds < st.rounds
+        assert st.drafted <= 7 * (st.rounds - st.gated_rounds)
+
+
+def test_gate_on_is_lossless_and_its_counters_add_up(target_fp32, tokenizer, prompts20, ar_greedy):
+    """The real gate (timing-driven): T = 0 output equals AR in fp32, and every forward
+    with decoding sequences is counted once, as speculative or as gated."""
+    _, ar_tokens, _, _ = ar_greedy
+    decode_forwards = []
+
+    def setup(engine):
+        assert engine.gate is not None  # on by default
+        schedule = engine.scheduler.schedule
+
+        def counted(*args, **kwargs):
+            plan = schedule(*args, **kwargs)
+            decode_forwards.append(bool(plan.decode))
+            return plan
+
+        engine.scheduler.schedule = counted
+        check_draft_context_every_step(engine)
+
+    engine, tokens, _, finals = run(target_fp32, tokenizer, prompts20, SamplingParams(temperature=0, max_tokens=40),
+                                    setup=setup, spec_method="dspark", spec_policy="dspark-sla")
+    assert tokens == ar_tokens
+    n = sum(decode_forwards)
+    assert engine.spec_steps + engine.gated_steps == engine.decode_steps == n > 0
+    # warm-up runs each mode in the buckets it measures, whichever wins
+    assert engine.spec_steps >= 2 and engine.gated_steps >= 2
+    snap = engine.gate.snapshot()
+    assert any(b["spec"]["n"] and b["ar"]["n"] for b in snap.values()), snap
+    for f in finals.values():
+        st = f.spec
+        assert st.emitted == f.completion_tokens - 1 and st.gated_rounds <= st.rounds
+        assert st.accepted <= st.verified <= st.drafted
+
+
 class OracleProposer:
     """Test-only draft model that proposes the known greedy continuation, so every
     verified draft is accepted: exercises multi-token blocks through the stop/EOS/cap logic."""
@@ -105,7 +214,8 @@ class OracleProposer:
 def oracle_run(model, tokenizer, ids, sampling, continuation):
     events: list = []
     engine = LLMEngine(
-        EngineConfig(dtype="float32", max_batch_size=1, max_context=1024, spec_method="prompt_lookup"),
+        # spec_gate off: every round drafts, so the oracle's blocks go through every step
+        EngineConfig(dtype="float32", max_batch_size=1, max_context=1024, spec_method="prompt_lookup", spec_gate=False),
         lambda rid, ev: events.append(copy.deepcopy(ev)),  # as emitted: later mutation must not matter
         model=model,
         tokenizer=tokenizer,

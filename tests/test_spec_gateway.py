@@ -28,14 +28,16 @@ PROMPTS = [
 ]
 
 
-def make_app(target_fp32, tokenizer, db_url: str, spec_method: str):
+def make_app(target_fp32, tokenizer, db_url: str, spec_method: str, spec_gate: bool = False):
     from gateway.main import create_app
     from runtime.engine import LLMEngine
     from tests.gateway_fixtures import make_settings
 
+    # spec_gate off: the gate decides by measured time, so the streamed and the plain run of a
+    # prompt could speculate on different steps and report different (equally valid) stats
     cfg = EngineConfig(dtype="float32", max_batch_size=2, max_context=512, spec_method=spec_method,
                        spec_policy="dspark-sla" if spec_method == "dspark" else "fixed", num_speculative_tokens=4,
-                       sps_table_path=str(SPS_TABLE) if spec_method == "dspark" else None)
+                       sps_table_path=str(SPS_TABLE) if spec_method == "dspark" else None, spec_gate=spec_gate)
     engine = AsyncEngine(cfg, engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
     return create_app(make_settings(db_url, admin_token=ADMIN), engine)
 
@@ -52,7 +54,7 @@ def stream_events(base: str, key: str, payload: dict) -> list:
         return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in r.iter_lines() if line]
 
 
-def serve(target_fp32, tokenizer, tmp_path, template, spec_method: str):
+def serve(target_fp32, tokenizer, tmp_path, template, spec_method: str, spec_gate: bool = False):
     from gateway.crud.keys import issue_key
     from tests.gateway_fixtures import sqlite_url
 
@@ -60,7 +62,7 @@ def serve(target_fp32, tokenizer, tmp_path, template, spec_method: str):
     shutil.copy(template, db)
     url = sqlite_url(db)
     key = asyncio.run(issue_key(url, "spec-tenant", "sam"))
-    return make_app(target_fp32, tokenizer, url, spec_method), key
+    return make_app(target_fp32, tokenizer, url, spec_method, spec_gate), key
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,38 @@ def test_speculative_gateway_replies_equal_autoregressive_with_consistent_stats(
             assert (rec["spec_rounds"], rec["spec_accepted"], rec["spec_emitted"]) == \
                 (st["rounds"], st["accepted"], st["emitted"])
             assert rec["spec_tau"] == pytest.approx(st["tau"], abs=1e-3)
+
+
+def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path, migrated_template, ar_replies):
+    """With the speculation gate on (the serving default), replies still equal AR at T = 0,
+    gated rounds show up in ``spec_stats`` as rounds that drafted nothing, and the engine's
+    speculative + gated step counters in /metrics add up to its decode rounds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.hardening_util import serve_in_thread
+
+    def engine_counters(base):
+        text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+        names = ("sparkgate:engine_decode_steps_total", "sparkgate:spec_decode_steps_total",
+                 "sparkgate:spec_decode_gated_steps_total")
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names}
+        return [got[n] for n in names]
+
+    app, key = serve(target_fp32, tokenizer, tmp_path, migrated_template, "dspark", spec_gate=True)
+    with serve_in_thread(app) as base:
+        rounds = 0
+        for prompt, ar in zip(PROMPTS, ar_replies):
+            r = httpx.post(base + "/v1/chat/completions", json=body(prompt), headers={"Authorization": f"Bearer {key}"},
+                           timeout=300)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["message"]["content"] == ar["choices"][0]["message"]["content"]
+            assert got["usage"] == ar["usage"]
+            st = got["spec_stats"]
+            assert st["emitted"] == got["usage"]["completion_tokens"] - 1
+            assert 0 <= st["gated_rounds"] <= st["rounds"]
+            assert st["verified"] <= st["drafted"] <= 4 * (st["rounds"] - st["gated_rounds"])
+            rounds += st["rounds"]
+        decode, spec, gated = engine_counters(base)
+    assert spec + gated == decode == rounds  # one request at a time: each decode round is one of its rounds
+    assert spec >= 2 and gated >= 2  # the gate's warm-up ran both modes

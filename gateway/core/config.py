@@ -36,9 +36,11 @@ class Settings(BaseSettings):
             ``postgresql+asyncpg://``) holding tenants and API keys.
         dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
         spec_method, spec_policy, draft_checkpoint, num_speculative_tokens, draft_fused, sps_table_path,
-        profile_on_start: passed to :class:`runtime.config.EngineConfig` (see its docstring);
+        profile_on_start, spec_gate: passed to :class:`runtime.config.EngineConfig` (see its docstring);
             serving profiles the SPS table at start-up only when speculating and no
             cached profile matches (``profile_on_start``, default on for the server).
+            ``spec_gate`` (``SPARKGATE_SPEC_GATE``, default on): speculate only on steps
+            where measured speed says it beats plain decoding (``runtime.dspark.gate``).
         prefix_cache_blocks: capacity of the automatic prefix cache in 16-token blocks
             (``runtime.prefix_cache``; 256 blocks = 180 MiB in fp32, 90 MiB in bf16, with
             the drafter's context cache on top when speculating); 0 disables it.
@@ -93,6 +95,7 @@ class Settings(BaseSettings):
     draft_fused: bool = True
     sps_table_path: str | None = None
     profile_on_start: bool = True
+    spec_gate: bool = True
     prefix_cache_blocks: int = Field(default=256, ge=0)  # blocks of 16 tokens; 0 disables prefix caching
     prefix_cache_scope: Literal["tenant", "global"] = "tenant"
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -150,6 +153,7 @@ class Settings(BaseSettings):
             draft_fused=self.draft_fused,
             sps_table_path=self.sps_table_path,
             profile_on_start=self.profile_on_start,
+            spec_gate=self.spec_gate,
             prefix_cache_blocks=self.prefix_cache_blocks,
         )
 

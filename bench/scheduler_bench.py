@@ -200,6 +200,7 @@ class Bench:
             dtype=self.args.dtype, max_batch_size=max(self.args.concurrency + [self.args.mixed_concurrency]),
             max_context=1024, spec_method=method, spec_policy=policy, num_speculative_tokens=self.args.gamma,
             draft_checkpoint=drafter, num_threads=self.args.threads, profile_on_start=method == "dspark", seed=0,
+            spec_gate=self.args.spec_gate,
         )  # fmt: skip
         t0 = time.perf_counter()
         engine = LLMEngine(cfg, col, model=self.model, tokenizer=self.tokenizer)
@@ -317,6 +318,8 @@ def main() -> None:
     ap.add_argument("--drafter", action="append", default=None,
                     help="DSpark checkpoint dir (repeatable); 'default' = committed/random-init drafter")  # fmt: skip
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=False,
+                    help="speculation gate (runtime/dspark/gate.py); off: every round drafts, so the policies are compared")
     ap.add_argument("--no-t1", action="store_true", help="skip the T=1 runs")
     ap.add_argument("--no-baselines", action="store_true", help="skip autoregressive and prompt-lookup runs")
     ap.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True)

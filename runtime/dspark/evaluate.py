@@ -97,7 +97,9 @@ def run_engine(
     """Run the embedded engine synchronously over ``prompts`` (continuous batching).
 
     ``engine_kw`` go to :class:`EngineConfig` (e.g. ``spec_method``, ``spec_policy``,
-    ``draft_checkpoint``, ``num_speculative_tokens``). dtype follows ``model``.
+    ``draft_checkpoint``, ``num_speculative_tokens``). dtype follows ``model``. The
+    speculation gate is off unless ``spec_gate=True`` is passed: this measures the drafter
+    (τ per round), so every round must draft, whatever the timing says.
     """
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
@@ -127,7 +129,8 @@ def run_engine(
     max_ctx = max(len(p) for p in prompts) + max_new_tokens + 16
     threads = torch.get_num_threads()
     cfg = EngineConfig(**{"dtype": dtype, "max_batch_size": max_batch_size, "max_context": max_ctx,
-                          "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": threads, **engine_kw})
+                          "max_waiting": 10**6, "request_timeout_s": 1e9, "num_threads": threads, "spec_gate": False,
+                          **engine_kw})
     with torch_threads(threads):  # the gguf engine sets torch to 1 thread (use_kernel_threads): restored after
         engine = LLMEngine(cfg, emit, model=model, tokenizer=tokenizer)
         for i, ids in enumerate(prompts):

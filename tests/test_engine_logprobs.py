@@ -170,7 +170,8 @@ def greedy_reply(target_fp32, tokenizer, prompts):
 
 def oracle_events(model, tokenizer, ids, sp, continuation):
     oracle = OracleProposer({0: continuation}, {0: len(ids)})  # every verified draft is accepted
-    return run(model, tokenizer, [("o", ids, sp)], oracle=oracle, spec_method="prompt_lookup")["o"]
+    # spec_gate off: every round drafts, so the oracle's blocks go through every step
+    return run(model, tokenizer, [("o", ids, sp)], oracle=oracle, spec_method="prompt_lookup", spec_gate=False)["o"]
 
 
 @pytest.mark.parametrize("case", ["full", "stop", "max_tokens", "eos_then_junk"])

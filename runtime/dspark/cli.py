@@ -213,8 +213,8 @@ def _add_eval(sub) -> None:
                    help="also method 'dspark-draft-vocab': the DSpark drafter restricted to its checkpoint's "
                         "draft vocabulary, as the fused drafter serves it")
     p.add_argument("--as-served", action="store_true",
-                   help="evaluate the DSpark drafter only as the fused drafter serves it: restricted to its "
-                        "checkpoint's draft vocabulary (method 'dspark'; no full-vocabulary run)")
+                   help="evaluate the drafters only as the fused drafter serves them: restricted to their "
+                        "checkpoints' draft vocabularies (no full-vocabulary run)")
     p.add_argument("--previous-checkpoint", default=None,
                    help="a second DSpark drafter (method 'dspark-previous'; restricted with --as-served)")
     p.add_argument("--no-prompt-lookup", action="store_true")
@@ -268,7 +268,8 @@ def _run_eval(a) -> int:
         methods.append(DrafterMethod("dspark-previous", load_drafter(a.previous_checkpoint, target),
                                      vocab=vocab_of(a.previous_checkpoint) if a.as_served else None))
     if a.parallel_checkpoint:
-        methods.append(DrafterMethod("parallel", load_drafter(a.parallel_checkpoint, target)))
+        methods.append(DrafterMethod("parallel", load_drafter(a.parallel_checkpoint, target),
+                                     vocab=vocab_of(a.parallel_checkpoint) if a.as_served else None))
     if a.random_baseline:
         methods.append(DrafterMethod("random-init", DSparkDrafter(target, DrafterConfig())))
     if not a.no_prompt_lookup:

@@ -352,6 +352,7 @@ def test_export_casts_every_float_tensor_and_keeps_the_config(target_fp32, tmp_p
     d = DSparkDrafter(target_fp32, cfg)
     save_drafter(d, tmp_path / "src")
     (tmp_path / "src" / "calibration.json").write_text('{"ece_after": [0.01]}')
+    (tmp_path / "src" / "draft_vocab.json").write_text('{"size": 16}')
     info = export_checkpoint(tmp_path / "src", tmp_path / "dst")
     src = load_file(str(tmp_path / "src" / "model.safetensors"))
     dst = load_file(str(tmp_path / "dst" / "model.safetensors"))
@@ -361,6 +362,7 @@ def test_export_casts_every_float_tensor_and_keeps_the_config(target_fp32, tmp_p
     assert all(torch.equal(dst[k].float(), src[k].to(torch.bfloat16).float()) for k in src)
     assert info["bytes"] < 0.6 * (tmp_path / "src" / "model.safetensors").stat().st_size
     assert (tmp_path / "dst" / "calibration.json").read_text() == '{"ece_after": [0.01]}'
+    assert (tmp_path / "dst" / "draft_vocab.json").read_text() == '{"size": 16}'
     loaded = load_drafter(tmp_path / "dst", target_fp32)
     assert loaded.cfg == cfg  # STS temperatures travel in config.json
     with pytest.raises(FileNotFoundError):

@@ -105,8 +105,8 @@ def export_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16")
     rank 64); the served model runs the backbone in the target's dtype anyway and the
     heads only add a low-rank bias and a confidence logit, so a bf16 copy (~30 MB) is
     what ``runtime/dspark/checkpoints/default/`` holds. ``config.json`` (with its STS
-    temperatures) and ``calibration.json`` are copied unchanged; optimizer state and
-    training logs are not.
+    temperatures), ``calibration.json`` and ``draft_vocab.json`` (the fused drafter's
+    vocabulary) are copied unchanged; optimizer state and training logs are not.
 
     Returns:
         ``{"tensors", "bytes", "dtype"}`` of the written ``model.safetensors``.
@@ -127,7 +127,7 @@ def export_checkpoint(src: str | Path, dst: str | Path, dtype: str = "bfloat16")
     want = getattr(torch, dtype)
     sd = {k: (v.to(want) if v.is_floating_point() else v).contiguous() for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(sd, str(dst / "model.safetensors"))
-    for name in ("config.json", "calibration.json"):
+    for name in ("config.json", "calibration.json", "draft_vocab.json"):
         if (src / name).exists() and src.resolve() != dst.resolve():
             shutil.copyfile(src / name, dst / name)
     return {"tensors": len(sd), "bytes": (dst / "model.safetensors").stat().st_size, "dtype": dtype}

@@ -207,7 +207,8 @@ def main() -> None:
     ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process Sparkgate engine at c=1")
     ap.add_argument("--methods", nargs="+", default=["none", "dspark"],
                     help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup), or "
-                         "dspark-eager: DSpark drafting with the reference torch drafter (SPARKGATE_DRAFT_FUSED=false)")
+                         "dspark-eager: DSpark drafting with the reference torch drafter (SPARKGATE_DRAFT_FUSED=false); "
+                         "a -nogate suffix turns the speculation gate off (SPARKGATE_SPEC_GATE=false)")
     ap.add_argument("--parallel-checkpoint", default=None,
                     help="drafter checkpoint for method 'parallel' (the rank-0 ablation; default: random init)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -224,11 +225,17 @@ def main() -> None:
     for method in args.methods:
         name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
                 "prompt_lookup": "Sparkgate prompt lookup",
-                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method, f"Sparkgate {method}")
-        env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": method.removesuffix("-eager")}
-        if method.endswith("-eager"):
+                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method.removesuffix("-nogate"),
+                                                                                f"Sparkgate {method}")
+        base_method = method.removesuffix("-nogate").removesuffix("-eager")
+        if method.endswith("-nogate"):
+            name += ", speculation gate off"
+        env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": base_method}
+        if "-eager" in method:
             env["SPARKGATE_DRAFT_FUSED"] = "false"
-        if method == "parallel" and args.parallel_checkpoint:
+        if method.endswith("-nogate"):
+            env["SPARKGATE_SPEC_GATE"] = "false"  # every step drafts (docs/scheduler.md §4)
+        if base_method == "parallel" and args.parallel_checkpoint:
             env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())
         levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
         contenders.append(run_sparkgate(name, env, prompts, levels, args.max_tokens))

@@ -38,6 +38,7 @@ from runtime.dspark.train import (
     position_weights,
     train,
 )
+from tests.drafter_data import tiny_sequences
 
 V = 49152
 
@@ -261,24 +262,12 @@ def test_warm_start_keeps_the_weights_drops_sts_and_copies_the_vocab(tmp_path, t
 # -- training smoke run --------------------------------------------------------------------
 
 def _tiny_data(tokenizer) -> DrafterData:
-    texts = [
-        "The capital of France is Paris. It is known for the Eiffel Tower and fine food.",
-        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5",
-        "Natalia sold 48 clips in April and half as many in May, so 48 + 24 = 72 clips.",
-        "Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees.",
-        "To sort a list in Python, call sorted(xs) or xs.sort() for an in-place sort.",
-        "The sun rises in the east and sets in the west because the Earth rotates.",
-        "A triangle has three sides; the sum of its interior angles is 180 degrees.",
-        "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    ]
     toks, offs, plens = [], [0], []
-    for t in texts:
-        p = tokenizer.encode("<|im_start|>user\nTell me something.<|im_end|>\n<|im_start|>assistant\n")
-        ids = (p + tokenizer.encode(t))[:64]
-        toks += ids
+    for ids, plen in tiny_sequences(tokenizer):
+        toks += ids[:64]
         offs.append(len(toks))
-        plens.append(len(p))
-    n = len(texts)
+        plens.append(plen)
+    n = len(plens)
     return DrafterData(np.array(toks, np.uint16), np.array(offs, np.int64), np.array(plens, np.int32),
                        np.array([f"t:{i}" for i in range(n)]), np.array(["chat"] * n), np.array(["stop"] * n),
                        np.array([False] * n))  # fmt: skip

@@ -15,6 +15,7 @@ from runtime.dspark.drafter import DSparkDrafter
 from runtime.dspark.feature_cache import CacheLayout, FeatureCache, build_feature_cache
 from runtime.dspark.features import TeacherHead, block_targets, sample_anchors, teacher_forward
 from runtime.dspark.train import TrainConfig, micro_batch_loss, train
+from tests.drafter_data import tiny_sequences
 
 TAPS = [2, 8, 14, 20, 26]
 
@@ -39,19 +40,8 @@ def test_layout_cuts_to_max_len_and_keeps_only_block_target_rows():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tokenizer):
     """Eight short chat sequences (two held out) written as a data dir."""
-    texts = [
-        "The capital of France is Paris. It is known for the Eiffel Tower and fine food.",
-        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5",
-        "Natalia sold 48 clips in April and half as many in May, so 48 + 24 = 72 clips.",
-        "Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees.",
-        "To sort a list in Python, call sorted(xs) or xs.sort() for an in-place sort.",
-        "The sun rises in the east and sets in the west because the Earth rotates.",
-        "A triangle has three sides; the sum of its interior angles is 180 degrees.",
-        "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen.",
-    ]
-    p = tokenizer.encode("<|im_start|>user\nTell me something.<|im_end|>\n<|im_start|>assistant\n")
-    samples = [Sample(f"t:{i}", "chat", p + tokenizer.encode(t), len(p), "stop", i in (3, 6))
-               for i, t in enumerate(texts)]  # fmt: skip
+    samples = [Sample(f"t:{i}", "chat", ids, plen, "stop", i in (3, 6))
+               for i, (ids, plen) in enumerate(tiny_sequences(tokenizer))]  # fmt: skip
     d = tmp_path_factory.mktemp("tinydata")
     write_shard(d, 0, samples)
     return d

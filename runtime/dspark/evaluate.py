@@ -578,8 +578,6 @@ def write_report(res: dict, out_md: Path, png_prefix: Path, title: str = "Drafte
                 for t in tasks:
                     cells += [fmt(by.get((t, m), {}).get("tau_t1")), fmt(live["tau"][m].get(t))]
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "Position-wise conditional acceptance (all tasks pooled by mean over tasks), k = 1..γ:", "",
-              "| method | T | " + " | ".join(f"k={k}" for k in range(1, 8)) + " |", "|---|---|" + "---|" * 7]
     pos = {}
     for m in methods:
         for key, T in (("pos_acc_t0", "0"), ("pos_acc_t1", "1")):
@@ -587,9 +585,13 @@ def write_report(res: dict, out_md: Path, png_prefix: Path, title: str = "Drafte
             if vals:
                 arr = np.array(vals, dtype=float)
                 cnt = (~np.isnan(arr)).sum(0)
-                v = np.where(cnt > 0, np.nansum(arr, 0) / np.maximum(cnt, 1), np.nan)
-                pos[(m, T)] = v
-                lines.append(f"| {m} | {T} | " + " | ".join("–" if np.isnan(x) else f"{x:.2f}" for x in v) + " |")
+                pos[(m, T)] = np.where(cnt > 0, np.nansum(arr, 0) / np.maximum(cnt, 1), np.nan)
+    kmax = max((len(v) for v in pos.values()), default=0)  # methods may differ in γ: pad with "–"
+    lines += ["", "Position-wise conditional acceptance (all tasks pooled by mean over tasks), k = 1..γ:", "",
+              "| method | T | " + " | ".join(f"k={k}" for k in range(1, kmax + 1)) + " |", "|---|---|" + "---|" * kmax]
+    for (m, T), v in pos.items():
+        cells = ["–" if np.isnan(x) else f"{x:.2f}" for x in v] + ["–"] * (kmax - len(v))
+        lines.append(f"| {m} | {T} | " + " | ".join(cells) + " |")
     lines += ["", f"![τ]({png_prefix.name}-tau.png)", f"![position]({png_prefix.name}-position.png)", ""]
     out_md.write_text("\n".join(lines))
 

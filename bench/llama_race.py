@@ -208,7 +208,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "dspark"],
                     help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup), or "
                          "dspark-eager: DSpark drafting with the reference torch drafter (SPARKGATE_DRAFT_FUSED=false); "
-                         "a -nogate suffix turns the speculation gate off (SPARKGATE_SPEC_GATE=false)")
+                         "a -nogate suffix turns the speculation gate off (SPARKGATE_SPEC_GATE=false); "
+                         "METHOD@DIR serves the drafter checkpoint DIR (SPARKGATE_DRAFT_CHECKPOINT)")
     ap.add_argument("--parallel-checkpoint", default=None,
                     help="drafter checkpoint for method 'parallel' (the rank-0 ablation; default: random init)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -222,7 +223,8 @@ def main() -> None:
 
     prompts = load_prompts()
     contenders = []
-    for method in args.methods:
+    for spec in args.methods:
+        method, _, ckpt = spec.partition("@")  # METHOD@DIR: serve the drafter checkpoint DIR
         name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
                 "prompt_lookup": "Sparkgate prompt lookup",
                 "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method.removesuffix("-nogate"),
@@ -237,6 +239,9 @@ def main() -> None:
             env["SPARKGATE_SPEC_GATE"] = "false"  # every step drafts (docs/scheduler.md §4)
         if base_method == "parallel" and args.parallel_checkpoint:
             env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())
+        if ckpt:
+            env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(ckpt).resolve())
+            name += f", drafter {Path(ckpt).name}"
         levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
         contenders.append(run_sparkgate(name, env, prompts, levels, args.max_tokens))
     if not args.skip_in_process and 1 in args.concurrency:

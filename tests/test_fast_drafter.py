@@ -117,10 +117,11 @@ def test_context_kv_matches_reference(setup):
 @pytest.mark.model
 def test_greedy_drafts_agree_with_reference(setup):
     """T=0: the fused drafter (Q8_0 layers, draft vocabulary) proposes the reference's tokens
-    at ≥ 97 % of the slots (99.6 % measured over 80 anchors), and the confidences agree."""
+    at ≥ 97 % of the slots (99.6 % measured over 80 anchors of the γ 7 drafter), and the confidences agree."""
     _, drafter, fast, seq, taps = setup
     ce, cf = _caches(drafter, fast, taps)
     n = taps.shape[0]
+    g = drafter.block_size
     agree = total = 0
     conf_err = 0.0
     for i in range(24):
@@ -129,14 +130,14 @@ def test_greedy_drafts_agree_with_reference(setup):
         cf.truncate(0, p)
         a = torch.tensor([seq[p]])
         t, k, tp = _params(1, 0)
-        ref = drafter.sample_block(drafter.propose(a, [0], ce, block_size=7), a, t, k, tp, [torch.Generator()])
-        got = fast.draft(a, [0], cf, 7, t, k, tp, [torch.Generator()])
+        ref = drafter.sample_block(drafter.propose(a, [0], ce, block_size=g), a, t, k, tp, [torch.Generator()])
+        got = fast.draft(a, [0], cf, g, t, k, tp, [torch.Generator()])
         agree += int((ref.tokens == got.tokens).sum())
-        total += 7
+        total += g
         if torch.equal(ref.tokens[:, :1], got.tokens[:, :1]):
             conf_err = max(conf_err, float((ref.confidence[:, :2] - got.confidence[:, :2]).abs().max()))
-        probs = got.dense_probs([7])
-        assert torch.equal(probs.argmax(-1), got.tokens[0]) and torch.equal(probs.sum(-1), torch.ones(7))
+        probs = got.dense_probs([g])
+        assert torch.equal(probs.argmax(-1), got.tokens[0]) and torch.equal(probs.sum(-1), torch.ones(g))
         assert ce.lengths == cf.lengths == [p]  # drafting never commits
     assert agree / total >= 0.97, (agree, total)
     assert conf_err < 0.03
@@ -150,17 +151,18 @@ def test_sampled_draft_distribution_is_the_reference_restricted_to_the_draft_voc
     ce, cf = _caches(drafter, fast, taps)
     n = taps.shape[0]
     a = torch.tensor([seq[n - 1]])
+    g = drafter.block_size
     t, k, tp = _params(1, 1.0)
-    got = fast.draft(a, [0], cf, 7, t, k, tp, [torch.Generator().manual_seed(3)])
-    probs = got.dense_probs([7])
+    got = fast.draft(a, [0], cf, g, t, k, tp, [torch.Generator().manual_seed(3)])
+    probs = got.dense_probs([g])
     vocab = fast.vocab
     outside = torch.ones(V, dtype=torch.bool)
     outside[vocab] = False
     assert probs[:, outside].abs().max() == 0
-    assert torch.allclose(probs.sum(-1), torch.ones(7), atol=1e-5)
-    assert (probs[torch.arange(7), got.tokens[0]] > 0).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(g), atol=1e-5)
+    assert (probs[torch.arange(g), got.tokens[0]] > 0).all()
     # The reference's distribution of slot 1 (x_0 = the anchor for both), restricted.
-    blk = drafter.propose(a, [0], ce, block_size=7)
+    blk = drafter.propose(a, [0], ce, block_size=g)
     ref = torch.softmax(drafter.markov.corrected_logits(blk.base_logits[:, 0], a), -1)[0]
     ref_r = ref[vocab] / ref[vocab].sum()
     tv = 0.5 * (ref_r - probs[0, vocab]).abs().sum()
@@ -183,5 +185,6 @@ def test_block_kernel_rejects_bad_kv_lens(setup):
     with pytest.raises(RuntimeError, match="slots and positions"):  # sizes checked before positions is read
         fast.fm.forward_block_(x, cf.k, cf.v, one, torch.tensor([3]), torch.tensor([5, 5]))
     t, k, tp = _params(0, 0)
-    empty = fast.draft(torch.zeros(0, dtype=torch.long), [], cf, 7, t, k, tp, [])
-    assert empty.tokens.shape == (0, 7) and empty.dense_probs([]).shape == (0, V)
+    g = drafter.block_size
+    empty = fast.draft(torch.zeros(0, dtype=torch.long), [], cf, g, t, k, tp, [])
+    assert empty.tokens.shape == (0, g) and empty.dense_probs([]).shape == (0, V)

@@ -433,9 +433,9 @@ class TaskResult:
     def row(self) -> dict:
         return {
             "task": self.task, "method": self.method, "samples": self.samples,
-            "tau_t0": round(self.t0.tau, 4), "rounds_t0": self.t0.rounds,
+            "tau_t0": round(self.t0.tau, 4) if self.t0.rounds else None, "rounds_t0": self.t0.rounds,
             "tau_t1": round(self.t1_sum / self.t1_n, 4) if self.t1_n else None,
-            "pos_acc_t0": [round(x, 4) for x in self.t0.position_acceptance()],
+            "pos_acc_t0": [round(x, 4) for x in self.t0.position_acceptance()] if self.t0.rounds else None,
             "pos_acc_t1": ([round(float(x), 4) for x in self.t1_pos_sum / np.maximum(self.t1_pos_n, 1)]
                            if self.t1_pos_sum is not None else None),
         }  # fmt: skip
@@ -484,8 +484,9 @@ def evaluate(
             for m in methods:
                 r = results.setdefault((pr.task, m.name), TaskResult(pr.task, m.name, t0=RoundStats(gamma=m.gamma)))
                 taps = _taps_for(tb.taps[0], union, m.tap_layers) if m.tap_layers else None
+                if T == temperatures[0]:
+                    r.samples += 1  # prompts, counted once whichever temperatures run
                 if T == 0.0:
-                    r.samples += 1
                     if M >= 2:
                         r.t0.add(walk_rounds(m.round_rows(seq, taps, n), n, M, max_new_tokens, m.gamma))
                 else:
@@ -507,7 +508,8 @@ def evaluate(
     for m in methods:
         mine = [r for r in rows if r["method"] == m.name]
         summary[m.name] = {
-            "tau_t0_macro": round(float(np.mean([r["tau_t0"] for r in mine])), 4) if mine else None,
+            "tau_t0_macro": (round(float(np.mean([r["tau_t0"] for r in mine if r["tau_t0"] is not None])), 4)
+                             if any(r["tau_t0"] is not None for r in mine) else None),  # None: T=0 not run
             "tau_t1_macro": (round(float(np.mean([r["tau_t1"] for r in mine if r["tau_t1"] is not None])), 4)
                              if any(r["tau_t1"] is not None for r in mine) else None),
         }  # fmt: skip

@@ -121,11 +121,21 @@ def param_path(loc: tuple) -> str | None:
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError, strip_body: bool = False) -> APIError:
-    """First pydantic error → 400 naming its field in ``param``."""
-    err = exc.errors()[0]
-    loc = tuple(err.get("loc", ()))
-    if strip_body and loc and loc[0] == "body":
-        loc = loc[1:]
+    """First pydantic error → 400 naming its field in ``param``.
+
+    A field typed as a union (``stop: str | list[str]``) fails once per member; of those
+    errors the one that is not a plain type mismatch says what is wrong (``['a'] * 10`` →
+    "at most 4 items", not "should be a valid string")."""
+    errs = exc.errors()
+
+    def loc_of(e) -> tuple:
+        loc = tuple(e.get("loc", ()))
+        return loc[1:] if strip_body and loc and loc[0] == "body" else loc
+
+    loc = loc_of(errs[0])
+    same_field = [e for e in errs if param_path(loc_of(e)) == param_path(loc)]
+    err = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), errs[0])
+    loc = loc_of(err)
     if err.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request.", None, "invalid_json")
     param = param_path(loc)

@@ -225,17 +225,17 @@ def main() -> None:
     contenders = []
     for spec in args.methods:
         method, _, ckpt = spec.partition("@")  # METHOD@DIR: serve the drafter checkpoint DIR
+        gate_off = method.endswith("-nogate")
+        method = method.removesuffix("-nogate")
         name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
                 "prompt_lookup": "Sparkgate prompt lookup",
-                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method.removesuffix("-nogate"),
-                                                                                f"Sparkgate {method}")
-        base_method = method.removesuffix("-nogate").removesuffix("-eager")
-        if method.endswith("-nogate"):
-            name += ", speculation gate off"
+                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method, f"Sparkgate {method}")
+        base_method = method.removesuffix("-eager")
         env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": base_method}
-        if "-eager" in method:
+        if method.endswith("-eager"):
             env["SPARKGATE_DRAFT_FUSED"] = "false"
-        if method.endswith("-nogate"):
+        if gate_off:
+            name += ", speculation gate off"
             env["SPARKGATE_SPEC_GATE"] = "false"  # every step drafts (docs/scheduler.md §4)
         if base_method == "parallel" and args.parallel_checkpoint:
             env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())

@@ -132,9 +132,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError, strip_b
         loc = tuple(e.get("loc", ()))
         return loc[1:] if strip_body and loc and loc[0] == "body" else loc
 
-    loc = loc_of(errs[0])
-    same_field = [e for e in errs if param_path(loc_of(e)) == param_path(loc)]
-    err = next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), errs[0])
+    first = param_path(loc_of(errs[0]))
+    err = next((e for e in errs if param_path(loc_of(e)) == first and not str(e.get("type", "")).endswith("_type")),
+               errs[0])
     loc = loc_of(err)
     if err.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request.", None, "invalid_json")

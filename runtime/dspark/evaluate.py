@@ -504,15 +504,14 @@ def evaluate(
         bar.close()
     rows = [r.row() for r in results.values()]
     # macro over tasks (pooled rounds per task, then mean of task τ)
+    def macro(mine: list[dict], key: str) -> float | None:
+        vals = [r[key] for r in mine if r[key] is not None]
+        return round(float(np.mean(vals)), 4) if vals else None  # None: that temperature was not run
+
     summary = {}
     for m in methods:
         mine = [r for r in rows if r["method"] == m.name]
-        summary[m.name] = {
-            "tau_t0_macro": (round(float(np.mean([r["tau_t0"] for r in mine if r["tau_t0"] is not None])), 4)
-                             if any(r["tau_t0"] is not None for r in mine) else None),  # None: T=0 not run
-            "tau_t1_macro": (round(float(np.mean([r["tau_t1"] for r in mine if r["tau_t1"] is not None])), 4)
-                             if any(r["tau_t1"] is not None for r in mine) else None),
-        }  # fmt: skip
+        summary[m.name] = {"tau_t0_macro": macro(mine, "tau_t0"), "tau_t1_macro": macro(mine, "tau_t1")}
     return {"rows": rows, "summary": summary, "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
             "prompts": len(prompts), "seconds": round(time.monotonic() - t_start, 1),
             "generation_seconds": round(gen_seconds, 1)}

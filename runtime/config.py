@@ -34,7 +34,8 @@ class EngineConfig:
         spec_policy: verification-budget policy: ``fixed``, ``mtp1``, ``threshold``,
             ``dspark``, ``dspark-sla`` (default).
         draft_checkpoint: path of a drafter checkpoint dir (safetensors + JSON);
-            ``None`` → the committed default (or random init if none exists).
+            ``None`` → the committed one for the method (``checkpoints/default`` for
+            ``dspark``, ``checkpoints/parallel`` for ``parallel``; random init if it is missing).
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
         draft_fused: draft with :class:`runtime.dspark.fast_drafter.FastDrafter` (fused C++
             backbone, draft vocabulary) where the target is on the fused ``gguf`` path;

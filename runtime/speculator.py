@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup")
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "dspark" / "checkpoints" / "default"
+#: the rank-0 (parallel-only) ablation, trained beside the default on the same data and budget
+PARALLEL_CHECKPOINT = DEFAULT_CHECKPOINT.parent / "parallel"
 
 
 def fallback_sps_table() -> SpsTable:
@@ -131,9 +133,8 @@ class Speculator:
         from runtime.dspark.drafter import DSparkDrafter
 
         rank0 = config.spec_method == "parallel"
-        # The committed default is the DSpark drafter (Markov rank 64); the rank-0 ablation
-        # is served only from an explicit checkpoint (else randomly initialised).
-        path = Path(config.draft_checkpoint) if config.draft_checkpoint else (None if rank0 else DEFAULT_CHECKPOINT)
+        # Committed: the DSpark drafter (Markov rank 64) and its rank-0 ablation.
+        path = Path(config.draft_checkpoint) if config.draft_checkpoint else (PARALLEL_CHECKPOINT if rank0 else DEFAULT_CHECKPOINT)
         if path is not None and (path / "config.json").exists():
             drafter = load_drafter(path, target)
             if rank0 != (drafter.cfg.markov_rank == 0):

@@ -68,7 +68,8 @@ def ar_greedy(target_fp32, tokenizer, prompts20):
     "method,policy", [("dspark", "dspark-sla"), ("dspark", "fixed"), ("parallel", "fixed"), ("prompt_lookup", "fixed")]
 )
 def test_t0_speculative_equals_autoregressive_fp32(target_fp32, tokenizer, prompts20, ar_greedy, method, policy):
-    """Random-init drafter (and the baselines): speculation never changes greedy output."""
+    """The committed drafters (DSpark, its rank-0 ablation) and prompt lookup: speculation
+    never changes greedy output."""
     _, ar_tokens, _, _ = ar_greedy
     engine, tokens, _, finals = run(
         target_fp32, tokenizer, prompts20, SamplingParams(temperature=0, max_tokens=40), spec_method=method, spec_policy=policy

@@ -135,7 +135,7 @@ class Speculator:
         rank0 = config.spec_method == "parallel"
         # Committed: the DSpark drafter (Markov rank 64) and its rank-0 ablation.
         path = Path(config.draft_checkpoint) if config.draft_checkpoint else (PARALLEL_CHECKPOINT if rank0 else DEFAULT_CHECKPOINT)
-        if path is not None and (path / "config.json").exists():
+        if (path / "config.json").exists():
             drafter = load_drafter(path, target)
             if rank0 != (drafter.cfg.markov_rank == 0):
                 raise ValueError(f"checkpoint {path} has markov_rank {drafter.cfg.markov_rank}; spec_method {config.spec_method}")

@@ -7,7 +7,9 @@
    ``insufficient_quota`` (like OpenAI). In-flight requests may overshoot by their size.
 3. **Rate limits** — rpm/tpm token buckets per key and per tenant
    (:mod:`gateway.ratelimit`); tpm reserves ``prompt + max_tokens`` and refunds the unused
-   part when the request ends. 429 ``rate_limit_exceeded`` with ``retry-after``.
+   part when the request ends. 429 ``rate_limit_exceeded`` with ``retry-after``. rpm and
+   tpm count only requests the engine ran: one refused at step 4 or by the engine's queue
+   (503 ``queue_full``), or whose client left while queued, gets its request and tokens back.
 4. **Concurrency and SLA** — the request waits in one priority queue (higher tier
    priority first, FIFO within a priority) until (a) its tenant has fewer than
    ``max_concurrent`` requests admitted and (b) the :class:`SpeedModel` predicts that one
@@ -372,8 +374,8 @@ class AdmissionController:
             ticket = Ticket(ctx.request_id, principal.tenant, principal.key_id, tier, grant, headers=grant.headers())
             await self._queue(request, ticket, t0)  # registered in self.active when granted
         except BaseException as exc:
-            if grant is not None:
-                await grant.settle(0)
+            if grant is not None:  # never reached the engine: the request and its tokens go back
+                await grant.settle(0, served=False)
             if isinstance(exc, (APIError, ClientDisconnected)):
                 status = CANCELLED if isinstance(exc, ClientDisconnected) else REJECTED
                 self.rejections[exc.code] += status == REJECTED
@@ -469,15 +471,19 @@ class AdmissionController:
 
     # ---------------------------------------------------------------- release
     def release(self, request_id: str, outcome: RequestOutcome | None = None) -> None:
-        """Free the request's slot and refund unused tokens (once; later calls do nothing)."""
+        """Free the request's slot and refund unused tokens (once; later calls do nothing).
+
+        Without an ``outcome`` (no observer saw one: the engine never got the request) or
+        with a ``rejected`` one (the engine's queue refused it), the request is refunded too."""
         ticket = self.active.pop(request_id, None)
         if ticket is None:
             return
         self.tenant_active[ticket.tenant] -= 1
-        used = 0 if outcome is None or outcome.status == REJECTED else outcome.prompt_tokens + outcome.completion_tokens
+        served = outcome is not None and outcome.status != REJECTED
+        used = outcome.prompt_tokens + outcome.completion_tokens if served else 0
         self.policies.note_usage(ticket.key_id, used)
         if ticket.grant is not None:
-            task = asyncio.get_running_loop().create_task(ticket.grant.settle(used))
+            task = asyncio.get_running_loop().create_task(ticket.grant.settle(used, served))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
         if outcome is not None:

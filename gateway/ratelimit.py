@@ -3,7 +3,11 @@
 A limit of ``L`` per minute is a bucket of capacity ``L`` refilled continuously at
 ``L / 60`` per second, so a full burst of ``L`` is allowed and then ``L`` per minute.
 Tokens-per-minute buckets are charged ``prompt_tokens + max_tokens`` at admission and
-refunded the unused part when the request ends (:meth:`Grant.settle`).
+refunded the unused part when the request ends (:meth:`Grant.settle`). Only served
+requests count: one refused after its buckets were charged (by the concurrency/SLA
+queue or the engine's queue) gets its request and its tokens back, each refund one
+atomic bucket operation (one Lua script in Redis), so concurrent replicas never lose
+an update; while queued it holds what it took.
 
 Buckets live in a :class:`LocalBucketStore` (per replica: N replicas allow N× the
 limit) or, with ``SPARKGATE_REDIS_URL``, in a :class:`RedisBucketStore` shared by all
@@ -192,16 +196,29 @@ class Grant:
             out[f"x-ratelimit-reset-{kind}"] = format_reset(st.reset_s)
         return out
 
-    async def settle(self, used_tokens: int) -> None:
-        """Refund ``reserved_tokens − used_tokens`` to the token buckets (idempotent)."""
+    async def settle(self, used_tokens: int, served: bool = True) -> None:
+        """Refund ``reserved_tokens − used_tokens`` to the token buckets and, when the
+        request was not ``served`` (refused before the engine ran it), its request to the
+        request buckets; :attr:`states` then describe the buckets after the refund.
+        Idempotent: only the first call refunds."""
         if self._settled:
             return
         self._settled = True
         unused = self.reserved_tokens - max(0, used_tokens)
-        if unused > 0:
-            for limit, _ in self.taken:
-                if limit.kind == TOKENS:
-                    await self.limiter._apply(limit, unused, "give")
+        states: dict[str, BucketState] = {}
+        for limit, amount in self.taken:
+            back = unused if limit.kind == TOKENS else (0 if served else amount)
+            if back > 0:
+                _keep_tightest(states, limit.kind, await self.limiter._apply(limit, back, "give"))
+        if not served:
+            self.states.update(states)
+
+
+def _keep_tightest(states: dict[str, BucketState], kind: str, state: BucketState) -> None:
+    """Keep in ``states[kind]`` the state with the fewest tokens remaining."""
+    best = states.get(kind)
+    if best is None or state.remaining < best.remaining:
+        states[kind] = state
 
 
 class RateLimiter:
@@ -235,15 +252,12 @@ class RateLimiter:
             amount = 1 if limit.kind == REQUESTS else tokens
             state = await self._apply(limit, amount, "take")
             if not state.allowed:
-                for taken, amt in grant.taken:
-                    await self._apply(taken, amt, "give")
+                await grant.settle(0, served=False)
                 err = rate_limited(limit.kind, limit.scope.replace(":", " "), limit.per_minute, amount,
                                    state.retry_after_s(amount))
                 grant.states[limit.kind] = state
                 err.headers.update(grant.headers())
                 raise err
             grant.taken.append((limit, amount))
-            best = grant.states.get(limit.kind)
-            if best is None or state.remaining < best.remaining:
-                grant.states[limit.kind] = state
+            _keep_tightest(grant.states, limit.kind, state)
         return grant

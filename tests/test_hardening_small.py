@@ -1,6 +1,7 @@
 """Issue 25, item 7: requests refused after admission charged their buckets (by the
 concurrency queue, the engine's queue, or a client leaving while queued) do not spend
-rpm/tpm, with local and with Redis buckets.
+rpm/tpm, with local and with Redis buckets; two ``Authorization`` headers are a 400 on
+every authenticated route. (The Users-table layout check is in tests/test_admin_ui.py.)
 
 Bucket clocks are injected (local buckets) or run at 1 request per 30 s (Redis, whose
 clock is its own), so nothing here depends on how fast the machine is."""
@@ -16,12 +17,14 @@ import pytest
 
 from gateway.admission import AdmissionController, Policy, TierPolicy
 from gateway.core.security import Principal
+from gateway.crud import records as crud_records
 from gateway.generation import ClientDisconnected
 from gateway.observe import RequestContext
 from gateway.ratelimit import REQUESTS, TOKENS, Limit, LocalBucketStore, RateLimiter, RedisBucketStore
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat
-from tests.tenancy_fixtures import admin_setup, bearer, new_key, running_app
+from tests.hardening_util import assert_openai_error_shape
+from tests.tenancy_fixtures import ADMIN, admin_setup, bearer, new_key, running_app
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -180,3 +183,44 @@ async def test_a_client_leaving_the_queue_gets_its_request_back(limiter):
         await admitting
     await assert_remaining(limiter, Limit("tenant:t", REQUESTS, 1), 1, t0)
     assert ctl.active == {} and ctl._waiters == []
+
+
+# ---------------------------------------------------------------- duplicate Authorization
+def authenticated_routes(app) -> list[tuple[str, str]]:
+    """(method, path with path parameters filled in) of every /v1, /admin/v1 and /metrics route."""
+    out = []
+    for path, ops in app.openapi()["paths"].items():
+        if path.startswith(("/v1/", "/admin/v1/", "/metrics")):
+            filled = "/".join("1" if part.startswith("{") else part for part in path.split("/"))
+            out += [(method.upper(), filled) for method in ops]
+    return out
+
+
+async def test_two_authorization_headers_are_a_400_on_every_authenticated_route(sqlite_db):
+    """A tenant key and the admin token, in either order (each alone is accepted): 400
+    ``invalid_request_error`` everywhere, before any body is read, no engine call, no record."""
+    backend = FakeBackend()
+    async with running_app(sqlite_db, backend) as (app, client):
+        key = await new_key(client, "acme", "alice")
+        routes = authenticated_routes(app)
+        assert len(routes) >= 25 and ("GET", "/metrics") in routes and ("POST", "/v1/chat/completions") in routes
+        pairs = [[("Authorization", f"Bearer {key}"), ("Authorization", f"Bearer {ADMIN}")],
+                 [("Authorization", f"Bearer {ADMIN}"), ("Authorization", f"Bearer {key}")],
+                 [("Authorization", f"Bearer {key}"), ("Authorization", f"Bearer {key}")]]
+        for method, path in routes:
+            for headers in pairs:
+                body = chat() if path.endswith("/chat/completions") else {"model": "m", "prompt": "hi"}
+                r = await client.request(method, path, headers=headers, json=body if method == "POST" else None)
+                assert r.status_code == 400, (method, path, r.status_code, r.text)
+                err = assert_openai_error_shape(r)
+                assert err["type"] == "invalid_request_error" and err["code"] == "duplicate_authorization_header"
+                assert "2 Authorization headers" in err["message"]
+        bad_json = await client.post("/v1/chat/completions", content=b"{not json", headers=pairs[0])
+        assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "duplicate_authorization_header"
+        assert backend.requests == []
+        ok = await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
+        assert ok.status_code == 200 and len(backend.requests) == 1  # one header: served
+        await app.state.records.flush()
+        async with app.state.sessionmaker() as s:
+            rows = (await crud_records.query_records(s, limit=1000))[0]
+        assert [r.id for r in rows] == [ok.json()["id"]]

@@ -55,6 +55,20 @@ async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
         yield session
 
 
+def authorization_header(request: Request) -> str | None:
+    """The request's one ``Authorization`` header (None when absent).
+
+    Raises:
+        APIError: 400 ``invalid_request_error`` when it has several: which one a proxy
+            in front checked is unknown, so the request is refused rather than guessed at.
+    """
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:
+        raise invalid_request(f"The request has {len(values)} Authorization headers; send exactly one "
+                              "('Authorization: Bearer YOUR_KEY').", None, "duplicate_authorization_header")
+    return values[0] if values else None
+
+
 def bearer_token(header: str | None) -> str:
     """The token of an ``Authorization: Bearer <token>`` header; 401 when absent/malformed."""
     if not header:
@@ -68,8 +82,9 @@ def bearer_token(header: str | None) -> str:
 
 async def require_principal(request: Request) -> Principal:
     """Authenticate the bearer key (or the admin token). 401 for missing, unknown,
-    revoked or expired keys. Positive lookups are cached for ``auth_cache_ttl_s``."""
-    token = bearer_token(request.headers.get("authorization"))
+    revoked or expired keys, 400 for several ``Authorization`` headers. Positive lookups
+    are cached for ``auth_cache_ttl_s``."""
+    token = bearer_token(authorization_header(request))
     state = request.app.state
     admin = state.settings.admin_token
     if admin and hmac.compare_digest(token.encode(), admin.encode()):

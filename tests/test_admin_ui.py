@@ -2,7 +2,8 @@
 the ``/admin/v1/usage/users`` summary the Users page needs, and the UI itself end to end
 in headless Chromium (Debian ``chromium``, driven by Playwright for Python) against the
 shared live server: login, charts equal to the API, tier edit, key create/revoke,
-tenant key refused, stored XSS rendered as text, keyboard use.
+tenant key refused, stored XSS rendered as text, keyboard use; and the Users table's
+layout with the longest names the API allows (FakeBackend gateway, no model).
 
 Set ``SPARKGATE_UI_SCREENSHOTS=docs/screenshots`` to (re)write the page screenshots."""
 
@@ -12,17 +13,22 @@ import json
 import os
 import statistics
 import threading
+import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from gateway import admin_ui
+from gateway.main import create_app
 from tests.conftest import require_or_skip
-from tests.gateway_fixtures import chat
-from tests.tenancy_fixtures import ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
+from tests.fakes import FakeBackend
+from tests.gateway_fixtures import chat, make_settings
+from tests.hardening_util import serve_in_thread
+from tests.tenancy_fixtures import ADMIN, ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
 
 A = ADMIN_HEADERS
 ROOT = Path(__file__).resolve().parents[1]
@@ -503,3 +509,75 @@ def test_every_page_renders_labelled_controls_without_errors(ui, live_server):
     acc = admin_get(live_server, "/admin/v1/stats/acceptance", group_by="tenant", since=tau["since"], until=tau["until"])
     spec = [a for a in acc["data"] if a["rounds"] > 0]
     assert tau["series"][0]["points"] == [[a["tenant"] or "(none)", a["tau"]] for a in spec]
+
+
+# ---------------------------------------------------------------- layout with long names (no model)
+LONG_TIER = "enterprise-platinum-" + "t" * 44  # 64 characters: the longest tier name
+LONG_TENANTS = ("acme-" + "x" * 123,  # 128 characters without a break: the longest tenant name
+                "globex.corporation-international-holdings.europe-middle-east-and-africa-division")
+
+
+def long_user(tenant: int, i: int) -> str:
+    """Long user labels, every other one without a place to break (keys allow 256 characters)."""
+    if i % 2:
+        return (f"user-{tenant}-{i}-" + "y" * 256)[:256]
+    return f"Dr. Maximilian Alexander von Hohenzollern-Sigmaringen {tenant}.{i} " * 3
+
+
+@pytest.fixture
+def fake_gateway(sqlite_db):
+    """The gateway on the FakeBackend under uvicorn in a thread, holding 24 users of two
+    tenants of one tier, all with names as long as the API allows; one user also has a
+    rejected request (so its Requests cell carries "(1 rejected)")."""
+    app = create_app(make_settings(sqlite_db, admin_token=ADMIN), FakeBackend(max_context=256))
+    with serve_in_thread(app) as base, httpx.Client(base_url=base, headers=A, timeout=30) as c:
+        assert c.post("/admin/v1/tiers", json={"name": LONG_TIER, "min_tokens_per_s": 1}).status_code == 201
+        for t, tenant in enumerate(LONG_TENANTS):
+            assert c.post("/admin/v1/tenants", json={"name": tenant, "tier": LONG_TIER}).status_code == 201
+            for i in range(12):
+                limits = {"rpm_limit": 1} if i == 0 else {}
+                key = c.post("/admin/v1/keys", json={"tenant": tenant, "user": long_user(t, i), **limits}).json()["key"]
+                for expect in ([200, 429] if i == 0 else [200]):
+                    assert c.post("/v1/chat/completions", json=chat(), headers=bearer(key)).status_code == expect
+        deadline = time.monotonic() + 30
+        while len(c.get("/admin/v1/usage/users").json()["data"]) < 24:  # the record writer flushes in batches
+            assert time.monotonic() < deadline, "the records did not reach the users summary"
+            time.sleep(0.1)
+            assert c.post("/admin/v1/rollups/refresh").status_code == 204
+        yield SimpleNamespace(base_url=base, admin_token=ADMIN)
+
+
+OVERFLOW = """() => {
+    const t = document.querySelector('table.users'), card = t.closest('.card'), wrap = t.parentElement;
+    const right = card.getBoundingClientRect().right - parseFloat(getComputedStyle(card).borderRightWidth)
+        - parseFloat(getComputedStyle(card).paddingRight);
+    return {table: t.getBoundingClientRect().right, cardContent: right,
+            wrapScroll: wrap.scrollWidth - wrap.clientWidth,
+            pageScroll: document.documentElement.scrollWidth - window.innerWidth,
+            cellsOverflowing: [...t.querySelectorAll('th, td')].filter(c => c.scrollWidth > c.clientWidth + 1)
+                .map(c => c.textContent.slice(0, 40))};
+}"""
+
+
+def test_users_table_fits_its_card_with_long_names_at_1280_and_1920_px(browser, fake_gateway):
+    """No horizontal overflow: the table ends inside its card's padding, nothing scrolls
+    sideways (card or page), no cell's content spills out of it, every name is shown whole."""
+    ui = UI(browser, fake_gateway)
+    try:
+        ui.login()
+        ui.page.wait_for_selector("h1:text('Overview')")
+        for width in (1280, 1920):
+            ui.page.set_viewport_size({"width": width, "height": 900})
+            ui.open("users?window=24h")
+            ui.page.wait_for_function("() => document.querySelectorAll('table.users tbody tr').length === 24")
+            got = ui.page.evaluate(OVERFLOW)
+            assert got["table"] <= got["cardContent"] + 0.5, (width, got)
+            assert got["wrapScroll"] <= 0 and got["pageScroll"] <= 0 and got["cellsOverflowing"] == [], (width, got)
+            names = ui.page.locator("table.users tbody th a").all_text_contents()
+            assert sorted(names) == sorted(long_user(t, i) for t in (0, 1) for i in range(12))
+            assert ui.page.locator("table.users tbody tr td").filter(has_text="(1 rejected)").count() == 2
+            ui.open("")  # leave, so the next width renders the page afresh
+            ui.page.wait_for_selector("h1:text('Overview')")
+    finally:
+        ui.close()
+    assert not ui.errors, ui.errors

@@ -39,9 +39,9 @@ export async function renderUsers(ctx: Ctx): Promise<HTMLElement> {
       `tok/s of ${userLabel(u.tenant, u.user)}: ${pts.length} minutes with requests`);
     const bad = u.failed + u.rejected + u.cancelled;
     t.body.appendChild(h("tr", { "data-user": u.user ?? "", "data-tenant": u.tenant },
-      h("th", { scope: "row" }, h("a", { href: userHref(u.tenant, u.user, win) }, u.user ?? "(no user)")),
-      h("td", {}, u.tenant),
-      h("td", {}, u.tier ?? "—"),
+      h("th", { scope: "row", class: "name" }, h("a", { href: userHref(u.tenant, u.user, win) }, u.user ?? "(no user)")),
+      h("td", { class: "name" }, u.tenant),
+      h("td", { class: "name" }, u.tier ?? "—"),
       h("td", { class: "num" }, fmtInt(u.requests),
         bad ? h("span", { class: "muted small" }, ` (${[u.failed && `${u.failed} failed`, u.rejected && `${u.rejected} rejected`,
           u.cancelled && `${u.cancelled} cancelled`].filter(Boolean).join(", ")})`) : null),

@@ -1,0 +1,97 @@
+"""Billing counts only served requests (:func:`gateway.observe.is_served`), on SQLite and
+Postgres: ``/v1/usage``, ``/admin/v1/usage/users``, ``api_keys.tokens_used`` and the
+admission token budget agree; refused requests show up only as counts by status."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from gateway.crud import keys as crud_keys
+from gateway.crud import records as crud_records
+from gateway.db.models import ApiKey
+from gateway.db.session import make_engine, make_sessionmaker
+from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED
+from gateway.records import record_row
+from tests.gateway_fixtures import chat
+from tests.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
+from tests.test_tenancy_records import outcome
+
+PROMPT, COMPLETION = 6, 7  # chat("hi") templated by the FakeBackend; its script is 7 tokens long
+
+
+async def test_refused_requests_are_counted_but_never_billed(tenancy_db):
+    async with running_app(tenancy_db) as (app, client):
+        backend = app.state.backend
+        alice = bearer(await new_key(client, "acme", "alice", token_budget=PROMPT))
+        bob = bearer(await new_key(client, "acme", "bob", rpm_limit=1))
+        post = lambda h, **extra: client.post("/v1/chat/completions", json=chat("hi", **extra), headers=h)  # noqa: E731
+
+        backend.fail_after_deltas = 0  # the engine fails before the first token: a 500, nothing served
+        assert (await post(alice)).status_code == 500
+        assert (await post(bob)).status_code == 500
+        backend.fail_after_deltas = None
+        backend.queue_full = True  # the engine queue refuses: 503
+        assert (await post(alice)).status_code == 503
+        backend.queue_full = False
+        r = await post(alice, temperature=5)  # validation after auth: 400, never reaches admission
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        served = await post(alice)  # the refusals above did not use alice's budget of PROMPT tokens
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"] == {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION,
+                                          "total_tokens": PROMPT + COMPLETION}
+        over = await post(alice)  # now the budget is used up
+        assert over.status_code == 429 and over.json()["error"]["code"] == "insufficient_quota"
+        limited = await post(bob)  # bob's one request per minute went to the engine failure
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+        await client.post("/admin/v1/rollups/refresh", headers=ADMIN_HEADERS)
+
+        usage = (await client.get("/v1/usage", headers=alice)).json()
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            PROMPT, COMPLETION, PROMPT + COMPLETION)
+        assert usage["requests"] == 6
+        assert usage["requests_by_status"] == {"finished": 1, "failed": 2, "cancelled": 0, "rejected": 3}
+        assert sum(p["completion_tokens"] for u in usage["data"] for p in u["points"]) == COMPLETION
+        bob_usage = (await client.get("/v1/usage", params={"user": "bob"}, headers=alice)).json()
+        assert (bob_usage["total_tokens"], bob_usage["requests_by_status"]["failed"],
+                bob_usage["requests_by_status"]["rejected"]) == (0, 1, 1)
+
+        users = (await client.get("/admin/v1/usage/users", params={"tenant": "acme"}, headers=ADMIN_HEADERS)).json()
+        by_user = {u["user"]: u for u in users["data"]}
+        a, b = by_user["alice"], by_user["bob"]
+        assert (a["prompt_tokens"], a["completion_tokens"], a["total_tokens"]) == (PROMPT, COMPLETION, PROMPT + COMPLETION)
+        assert a["requests_by_status"] == {"finished": 1, "failed": 1, "cancelled": 0, "rejected": 2}
+        assert (a["requests"], a["finished"], a["failed"], a["rejected"]) == (4, 1, 1, 2)  # flat keys kept
+        assert (b["prompt_tokens"], b["completion_tokens"], b["failed"], b["rejected"]) == (0, 0, 1, 1)
+
+        keys = (await client.get("/admin/v1/keys", params={"tenant": "acme"}, headers=ADMIN_HEADERS)).json()["data"]
+        assert {k["user"]: k["tokens_used"] for k in keys} == {"alice": PROMPT + COMPLETION, "bob": 0}
+        # the refused requests' records keep their prompt size (what was asked), unbilled
+        refused = (await client.get("/v1/requests", params={"status": "rejected"}, headers=alice)).json()["data"]
+        assert sorted(r["error_code"] for r in refused) == ["insufficient_quota", "queue_full", "rate_limit_exceeded"]
+        assert {r["prompt_tokens"] for r in refused} == {PROMPT}
+
+
+async def test_served_is_what_the_engine_produced(tenancy_db):
+    """Rollups and ``tokens_used`` from records of every kind of end (5 prompt tokens each)."""
+    sm = make_sessionmaker(make_engine(tenancy_db))
+    async with sm() as s:
+        await crud_keys.create_key(s, "acme", "u")
+        key_id = await s.scalar(select(ApiKey.id))
+        rows = []
+        for i, (status, completion) in enumerate([(FINISHED, 11), (CANCELLED, 3), (FAILED, 2),  # served
+                                                  (CANCELLED, 0), (FAILED, 0), (REJECTED, 0)]):  # not served
+            o = outcome(i, status=status)
+            o.completion_tokens = completion
+            rows.append({**record_row(o), "key_id": key_id})
+        assert await crud_records.insert_records(s, rows) == 6
+        await crud_records.recompute_rollups(s, {(crud_records.minute_of(rows[0]["finished_at"]), "acme")})
+        minute = crud_records.minute_of(rows[0]["finished_at"])
+        rollups = await crud_records.rollups(s, since=minute, until=minute + crud_records.MINUTE, tenant="acme")
+        assert sum(r.prompt_tokens for r in rollups) == 3 * 5 and sum(r.completion_tokens for r in rollups) == 16
+        assert crud_records.usage_totals(rollups) == {
+            "requests": 6, "requests_by_status": {"finished": 1, "failed": 2, "cancelled": 2, "rejected": 1},
+            "prompt_tokens": 15, "completion_tokens": 16, "total_tokens": 31}
+        s.expire_all()
+        assert (await crud_keys.get_key(s, key_id)).tokens_used == 15 + 16
+    await sm.kw["bind"].dispose()
+

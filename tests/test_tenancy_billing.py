@@ -1,19 +1,26 @@
 """Billing counts only served requests (:func:`gateway.observe.is_served`), on SQLite and
 Postgres: ``/v1/usage``, ``/admin/v1/usage/users``, ``api_keys.tokens_used`` and the
-admission token budget agree; refused requests show up only as counts by status."""
+admission token budget agree; refused requests show up only as counts by status.
+Migration ``0003_billed_usage`` recomputes the token sums of rollups written before."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import insert, select
 
 from gateway.crud import keys as crud_keys
 from gateway.crud import records as crud_records
-from gateway.db.models import ApiKey
+from gateway.db import migrate
+from gateway.db.models import ApiKey, UsageRollup
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED
 from gateway.records import record_row
 from tests.gateway_fixtures import chat
 from tests.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
+from tests.gateway_fixtures import sqlite_url
+from tests.test_tenancy_migrations import pg_empty_url  # noqa: F401 — fixture
 from tests.test_tenancy_records import outcome
 
 PROMPT, COMPLETION = 6, 7  # chat("hi") templated by the FakeBackend; its script is 7 tokens long
@@ -95,3 +102,49 @@ async def test_served_is_what_the_engine_produced(tenancy_db):
         assert (await crud_keys.get_key(s, key_id)).tokens_used == 15 + 16
     await sm.kw["bind"].dispose()
 
+
+async def rollup_sums_across_0003(url: str) -> None:
+    """Rollups as 0002's code wrote them (every record summed) → served sums → back."""
+    await migrate.upgrade_async(url, "0002_tenancy")
+    m0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
+    minutes = [m0 + timedelta(minutes=k) for k in (-60, 0, 1, 2)]  # -60: its records were pruned
+    records = [(0, "u", 5, FINISHED, 11), (0, "u", 9, REJECTED, 0), (0, "u", 20, CANCELLED, 0),
+               (0, "u", 30, FAILED, 2), (1, "v", 5, REJECTED, 0), (2, "u", 5, FINISHED, 11)]
+    old_sums = {(-60, "u"): (99, 7), (0, "u"): (20, 13), (1, "v"): (5, 0), (2, "u"): (5, 11)}
+    sm = make_sessionmaker(make_engine(url))
+    async with sm() as s:
+        rows = []
+        for i, (m, user, sec, status, completion) in enumerate(records):
+            o = outcome(i, user=user, status=status, finished_at=m0 + timedelta(minutes=m, seconds=sec))
+            o.completion_tokens = completion
+            rows.append(record_row(o))
+        await crud_records.insert_records(s, rows)
+        await s.execute(insert(UsageRollup), [dict(minute=m0 + timedelta(minutes=m), tenant="acme", user=user,
+                                                   tier="gold", model="m", prompt_tokens=p, completion_tokens=c)
+                                              for (m, user), (p, c) in old_sums.items()])
+        await s.commit()
+
+    async def sums() -> dict:
+        async with sm() as s:
+            got = await crud_records.rollups(s, since=minutes[0], until=minutes[-1] + timedelta(minutes=1))
+        return {(round((r.minute - m0).total_seconds() / 60), r.user): (r.prompt_tokens, r.completion_tokens)
+                for r in got}
+
+    billed = {**old_sums, (0, "u"): (10, 13), (1, "v"): (0, 0)}  # rejected/cancelled/failed before a token: 0
+    await migrate.upgrade_async(url)
+    assert await migrate.current_revision_async(url) == "0003_billed_usage" == migrate.head_revision()
+    assert await sums() == billed
+    await migrate.downgrade_async(url, "0002_tenancy")
+    assert await sums() == old_sums
+    await migrate.upgrade_async(url)
+    assert await sums() == billed
+    await sm.kw["bind"].dispose()
+
+
+async def test_sqlite_0003_recomputes_billed_rollups(tmp_path):
+    await rollup_sums_across_0003(sqlite_url(tmp_path / "mig.db"))
+
+
+@pytest.mark.postgres
+async def test_postgres_0003_recomputes_billed_rollups(pg_empty_url):  # noqa: F811
+    await rollup_sums_across_0003(pg_empty_url)

@@ -5,8 +5,10 @@ Migration ``0003_billed_usage`` recomputes the token sums of rollups written bef
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
+import httpx
 import pytest
 from sqlalchemy import insert, select
 
@@ -148,3 +150,41 @@ async def test_sqlite_0003_recomputes_billed_rollups(tmp_path):
 @pytest.mark.postgres
 async def test_postgres_0003_recomputes_billed_rollups(pg_empty_url):  # noqa: F811
     await rollup_sums_across_0003(pg_empty_url)
+
+
+def test_live_server_bills_what_the_real_engine_served(live_server):
+    """The real model: a served request and a stream the client drops after some tokens are
+    billed (the drop for the tokens produced); a 400 and an rpm 429 are not."""
+    base, admin = live_server.base_url, bearer(live_server.admin_token)
+    with httpx.Client(base_url=base, timeout=300) as c:
+        key = c.post("/admin/v1/keys", json={"tenant": "live-billing", "user": "bea", "rpm_limit": 2},
+                     headers=admin).json()["key"]
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Count to fifty."}],
+                "temperature": 0, "ignore_eos": True}
+        served = c.post("/v1/chat/completions", json={**body, "max_tokens": 8}, headers=bearer(key))
+        assert served.status_code == 200, served.text
+        with c.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1000, "stream": True},
+                      headers=bearer(key)) as r:
+            lines = r.iter_lines()  # keep the iterator: dropping it would disconnect before we read
+            assert r.status_code == 200 and any(ln.startswith("data: ") and '"content"' in ln for ln in lines)
+        bad = c.post("/v1/chat/completions", json={**body, "temperature": 5}, headers=bearer(key))
+        assert bad.status_code == 400
+        limited = c.post("/v1/chat/completions", json=body, headers=bearer(key))
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+        deadline = time.monotonic() + 60  # the dropped stream's record lands once the server sees the disconnect
+        while True:
+            assert c.post("/admin/v1/rollups/refresh", headers=admin).status_code == 204
+            recs = {r["status"]: r for r in c.get("/v1/requests", headers=bearer(key)).json()["data"]}
+            if "cancelled" in recs or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert sorted(recs) == ["cancelled", "finished", "rejected"]
+        cancelled, rejected = recs["cancelled"], recs["rejected"]
+        assert 1 <= cancelled["completion_tokens"] < 1000 and rejected["prompt_tokens"] > 0
+        usage = c.get("/v1/usage", headers=bearer(key)).json()
+        u = served.json()["usage"]
+        assert usage["prompt_tokens"] == u["prompt_tokens"] + cancelled["prompt_tokens"]
+        assert usage["completion_tokens"] == 8 + cancelled["completion_tokens"]
+        assert usage["requests_by_status"] == {"finished": 1, "failed": 0, "cancelled": 1, "rejected": 1}
+        keys = c.get("/admin/v1/keys", params={"tenant": "live-billing"}, headers=admin).json()["data"]
+        assert keys[0]["tokens_used"] == usage["total_tokens"]

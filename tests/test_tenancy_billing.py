@@ -19,9 +19,8 @@ from gateway.db.models import ApiKey, UsageRollup
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED
 from gateway.records import record_row
-from tests.gateway_fixtures import chat
+from tests.gateway_fixtures import chat, sqlite_url
 from tests.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
-from tests.gateway_fixtures import sqlite_url
 from tests.test_tenancy_migrations import pg_empty_url  # noqa: F401 — fixture
 from tests.test_tenancy_records import outcome
 

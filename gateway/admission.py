@@ -5,6 +5,8 @@
    the database is down the last known policy keeps serving).
 2. **Token budget** — a key whose ``tokens_used`` reached ``token_budget`` gets 429
    ``insufficient_quota`` (like OpenAI). In-flight requests may overshoot by their size.
+   Only served requests use tokens (:func:`gateway.observe.is_served`, the same rule as
+   ``api_keys.tokens_used`` and the usage rollups): refusals cost nothing.
 3. **Rate limits** — rpm/tpm token buckets per key and per tenant
    (:mod:`gateway.ratelimit`); tpm reserves ``prompt + max_tokens`` and refunds the unused
    part when the request ends. 429 ``rate_limit_exceeded`` with ``retry-after``. rpm and
@@ -129,6 +131,7 @@ class PolicyCache:
         return policy
 
     def note_usage(self, key_id: int | None, tokens: int) -> None:
+        """Add a request's billed tokens (:attr:`gateway.observe.RequestOutcome.billed_tokens`)."""
         if key_id is not None:
             self._local_used[key_id] += tokens
 
@@ -479,11 +482,11 @@ class AdmissionController:
         if ticket is None:
             return
         self.tenant_active[ticket.tenant] -= 1
-        served = outcome is not None and outcome.status != REJECTED
-        used = outcome.prompt_tokens + outcome.completion_tokens if served else 0
+        ran = outcome is not None and outcome.status != REJECTED  # rpm: the engine ran it
+        used = 0 if outcome is None else outcome.billed_tokens  # tpm and budget: what was served
         self.policies.note_usage(ticket.key_id, used)
         if ticket.grant is not None:
-            task = asyncio.get_running_loop().create_task(ticket.grant.settle(used, served))
+            task = asyncio.get_running_loop().create_task(ticket.grant.settle(used, ran))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
         if outcome is not None:

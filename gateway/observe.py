@@ -32,6 +32,23 @@ from runtime.interface import (
 log = logging.getLogger(__name__)
 
 FINISHED, FAILED, CANCELLED, REJECTED = "finished", "failed", "cancelled", "rejected"
+STATUSES = (FINISHED, FAILED, CANCELLED, REJECTED)
+
+
+def is_served(status: str, completion_tokens: int) -> bool:
+    """Whether a request was *served* — the one definition of what is billed.
+
+    Served: it reached a normal end in the engine (``finished``: stop/length), or it
+    ``failed`` (engine error, timeout) or was ``cancelled`` (client disconnect) after the
+    engine produced at least one completion token. A served request bills its prompt
+    tokens plus the completion tokens actually produced; anything else bills 0 tokens:
+    ``rejected`` requests (429 budget/rate limit/queue, 503 engine queue full), requests
+    that failed or were cancelled before their first token (left while queued, engine
+    refused or failed during prefill). Validation errors (400) never reach the engine
+    and leave no record at all. Used for usage rollups, ``api_keys.tokens_used`` and the
+    admission budget check alike.
+    """
+    return status == FINISHED or (status in (FAILED, CANCELLED) and completion_tokens > 0)
 
 
 @dataclass
@@ -75,7 +92,8 @@ class RequestOutcome:
 
     Attributes:
         status: ``finished`` (stop/length), ``failed`` (engine error/timeout),
-            ``cancelled`` (client went away), ``rejected`` (queue full, never ran).
+            ``cancelled`` (client went away), ``rejected`` (refused by admission or a full
+            engine queue; never ran). Whether it is billed: :attr:`served`.
         finish_reason: ``stop``/``length`` for finished requests.
         error_code, error_message: for failed/rejected ones.
         completion_tokens: tokens emitted (for cancelled ones: emitted before the abort).
@@ -97,6 +115,16 @@ class RequestOutcome:
     spec: SpecStats | None = None
     token_times: list[float] = field(default_factory=list)
     ended_mono: float = field(default_factory=time.monotonic)
+
+    @property
+    def served(self) -> bool:
+        """Billed or not (:func:`is_served`)."""
+        return is_served(self.status, self.completion_tokens)
+
+    @property
+    def billed_tokens(self) -> int:
+        """Prompt + completion tokens when served, else 0 (:func:`is_served`)."""
+        return self.prompt_tokens + self.completion_tokens if self.served else 0
 
     @property
     def decode_tokens_per_s(self) -> float | None:

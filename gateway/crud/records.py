@@ -4,6 +4,11 @@ Rollups are recomputed from the records of each touched (minute, tenant), so the
 idempotent (any replica may recompute a minute and gets the same rows). User tok/s is
 the one definition, :func:`gateway.stats.user_tokens_per_s` (median of per-request
 decode tok/s), per minute in ``usage_rollups.decode_tps_median``.
+
+Billing has one definition too, :func:`gateway.observe.is_served`: ``api_keys.tokens_used``
+and the rollups' ``prompt_tokens``/``completion_tokens`` count served requests only; refused
+ones appear only in the per-status request counts (``finished``/``failed``/``cancelled``/
+``rejected``). A record keeps its request's prompt size either way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db.models import ApiKey, RequestRecord, UsageRollup
+from gateway.observe import STATUSES, is_served
 from gateway.stats import user_tokens_per_s
 
 MINUTE = timedelta(minutes=1)
@@ -30,8 +36,9 @@ def minute_of(ts: datetime) -> datetime:
 
 # ------------------------------------------------------------------ writing
 async def insert_records(session: AsyncSession, rows: list[dict]) -> int:
-    """Insert ``rows`` (dicts of :class:`RequestRecord` columns) and add their tokens to
-    ``api_keys.tokens_used`` (rejected requests cost nothing); commit. Rows whose id already exists are skipped (a batch
+    """Insert ``rows`` (dicts of :class:`RequestRecord` columns) and add the tokens of the
+    served ones (:func:`is_served`; refusals cost nothing) to ``api_keys.tokens_used``;
+    commit. Rows whose id already exists are skipped (a batch
     retried after a lost commit acknowledgement is not double counted). Returns the
     number inserted."""
     if not rows:
@@ -43,7 +50,7 @@ async def insert_records(session: AsyncSession, rows: list[dict]) -> int:
         await session.execute(insert(RequestRecord), new)
         used: dict[int, int] = defaultdict(int)
         for r in new:
-            if r.get("key_id") is not None and r["status"] != "rejected":  # a refused request costs nothing
+            if r.get("key_id") is not None and is_served(r["status"], r["completion_tokens"]):
                 used[r["key_id"]] += r["prompt_tokens"] + r["completion_tokens"]
         for key_id, tokens in used.items():
             await session.execute(update(ApiKey).where(ApiKey.id == key_id)
@@ -67,10 +74,12 @@ def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dic
             for j, n in enumerate(r.accepted_per_position or []):
                 positions += [0] * (j + 1 - len(positions))
                 positions[j] += n
-        count = {s: sum(r.status == s for r in recs) for s in ("finished", "failed", "cancelled", "rejected")}
+        count = {s: sum(r.status == s for r in recs) for s in STATUSES}
+        served = [r for r in recs if is_served(r.status, r.completion_tokens)]
         out.append(dict(
             minute=minute, tenant=tenant, user=user, tier=tier, model=model, requests=len(recs), **count,
-            prompt_tokens=sum(r.prompt_tokens for r in recs), completion_tokens=sum(r.completion_tokens for r in recs),
+            prompt_tokens=sum(r.prompt_tokens for r in served),
+            completion_tokens=sum(r.completion_tokens for r in served),
             decode_tps_median=user_tokens_per_s(rates), decode_tps_samples=sum(x is not None for x in rates),
             ttft_median_s=statistics.median(ttfts) if ttfts else None,
             sla_target_tokens_per_s=max(targets) if targets else None,
@@ -186,6 +195,17 @@ async def rollups(
         if value is not None:
             q = q.where(col == value)
     return list(await session.scalars(q.order_by(UsageRollup.minute, UsageRollup.tenant, UsageRollup.user)))
+
+
+def usage_totals(rows: Iterable[UsageRollup]) -> dict:
+    """Totals of rollup rows: ``requests``, ``requests_by_status`` (``{"finished": n,
+    "failed": n, "cancelled": n, "rejected": n}``, every request recorded) and the billed
+    ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` (served requests only)."""
+    rows = list(rows)
+    prompt, completion = sum(r.prompt_tokens for r in rows), sum(r.completion_tokens for r in rows)
+    return {"requests": sum(r.requests for r in rows),
+            "requests_by_status": {s: sum(getattr(r, s) for r in rows) for s in STATUSES},
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def user_series(rows: list[UsageRollup]) -> list[dict]:

@@ -1,6 +1,6 @@
 """SQLAlchemy 2 typed ORM models. The schema itself is created by the Alembic
-revisions in ``migrations/versions`` (``0001_initial``, ``0002_tenancy``), never by
-``create_all``.
+revisions in ``migrations/versions`` (``0001_initial``, ``0002_tenancy``; ``0003_billed_usage``
+only recomputes rollup token sums), never by ``create_all``.
 
 Tenancy (``0002``): every tenant has an optional :class:`SlaTier` (none → the tier
 named by ``Settings.default_tier``); every served request leaves one
@@ -179,6 +179,9 @@ class UsageRollup(Base):
     Recomputed from the records (idempotent, so replicas agree). ``decode_tps_median``
     is the user's tok/s in that minute by the one definition (median of per-request
     decode tok/s); ``sla_*`` count requests with a target and a measured speed.
+    ``requests`` and the per-status counts cover every record; ``prompt_tokens`` and
+    ``completion_tokens`` are billed tokens, of served requests only
+    (:func:`gateway.observe.is_served`).
     """
 
     __tablename__ = "usage_rollups"

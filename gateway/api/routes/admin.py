@@ -263,7 +263,9 @@ async def users_summary(
     since: datetime | None = None, until: datetime | None = None,
 ) -> dict:
     """Per (tenant, user) totals over the window (default: the last hour) from the
-    rollups: requests by status, tokens, ``tokens_per_s_p50`` (median of the per-minute
+    rollups: requests, ``requests_by_status`` (also flat: ``finished``, ``failed``,
+    ``cancelled``, ``rejected``), billed tokens (served requests only,
+    :func:`gateway.observe.is_served`), ``tokens_per_s_p50`` (median of the per-minute
     medians, each weighted by its measured requests), SLA requests met, latest tier."""
     since, until = window(since, until)
     rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant, tier=tier)
@@ -273,10 +275,9 @@ async def users_summary(
     out = []
     for (name, user), rs in sorted(per.items()):
         graded, met = sum(r.sla_requests for r in rs), sum(r.sla_met for r in rs)
+        totals = crud_records.usage_totals(rs)
         out.append({
-            "tenant": name, "user": user or None, "tier": rs[-1].tier or None,
-            **{k: sum(getattr(r, k) for r in rs) for k in ("requests", "finished", "failed", "cancelled", "rejected",
-                                                           "prompt_tokens", "completion_tokens")},
+            "tenant": name, "user": user or None, "tier": rs[-1].tier or None, **totals["requests_by_status"], **totals,
             "tokens_per_s_p50": user_tokens_per_s(x for r in rs if r.decode_tps_median is not None
                                                   for x in [r.decode_tps_median] * r.decode_tps_samples),
             "sla_requests": graded, "sla_met": met, "sla_attainment": met / graded if graded else None,

@@ -43,10 +43,10 @@ async def own_request(record_id: str, principal: CurrentPrincipal, session: Sess
 @router.get("/usage")
 async def own_usage(principal: CurrentPrincipal, session: Session, user: str | None = None,
                     since: datetime | None = None, until: datetime | None = None) -> dict:
-    """Per-user tok/s per minute and token totals of the caller's tenant (default: last hour)."""
+    """Per-user tok/s per minute and totals of the caller's tenant (default: last hour):
+    ``requests``, ``requests_by_status`` and the billed tokens (served requests only,
+    :func:`gateway.observe.is_served`; refused requests are counted, never billed)."""
     since, until = window(since, until)
     rows = await crud_records.rollups(session, since=since, until=until, tenant=principal.tenant, user=user)
-    series = crud_records.user_series(rows)
     return {"object": "list", "tenant": principal.tenant, "since": since, "until": until, "bucket_s": 60,
-            "requests": sum(r.requests for r in rows), "prompt_tokens": sum(r.prompt_tokens for r in rows),
-            "completion_tokens": sum(r.completion_tokens for r in rows), "data": series}
+            **crud_records.usage_totals(rows), "data": crud_records.user_series(rows)}

@@ -24,11 +24,12 @@ Bug classes guarded against:
   :func:`test_stop_string_inside_an_accepted_block` (text ends exactly before the stop,
   ``finish_reason: "stop"``, logprobs count = ``completion_tokens`` = tokens up to the
   one completing the stop).
-* vllm#56101 — ``max_tokens`` overshoot or off-by-one when a round accepts several
-  tokens: :func:`test_every_max_tokens_up_to_gamma_plus_2_is_exact`.
-* ik_llama.cpp#2358 (class shared with llama.cpp#28049 / koboldcpp#1276) — accepted
-  draft tokens after EOS are emitted, counted or kept in the stats:
-  :func:`test_eos_in_the_middle_of_an_accepted_block`.
+* vllm#56101 and ik_llama.cpp#2358 (cited by issue 25 for this suite; their threads
+  were not available to check, so they are guarded by class): a cap that overshoots or
+  is off by one when a round accepts several tokens —
+  :func:`test_every_max_tokens_up_to_gamma_plus_2_is_exact` —, and accepted draft
+  tokens after EOS that are emitted, counted or kept in the stats (the class of
+  llama.cpp#28049 / koboldcpp#1276): :func:`test_eos_in_the_middle_of_an_accepted_block`.
 * Usage accounting under speculation (the streamed usage chunk vs the JSON ``usage`` vs
   the tokens actually streamed): :func:`test_streamed_usage_equals_non_streamed`, and on
   every reply of every case (``logprobs`` count = ``completion_tokens``;
@@ -116,7 +117,7 @@ def rounds():
 
 
 @pytest.fixture(scope="module")
-def db_template(tmp_path_factory, migrated_template):
+def fresh_db(tmp_path_factory, migrated_template):
     def fresh(name: str) -> str:
         from tests.gateway_fixtures import sqlite_url
 
@@ -128,10 +129,10 @@ def db_template(tmp_path_factory, migrated_template):
 
 
 @pytest.fixture(scope="module")
-async def plain(target_fp32, tokenizer, db_template, rounds):
+async def plain(target_fp32, tokenizer, fresh_db, rounds):
     from gateway.crud.keys import issue_key
 
-    url = db_template("none")
+    url = fresh_db("none")
     async with serve("none", target_fp32, tokenizer, url) as client:
         key = await issue_key(url, "edge-tenant", "edge-user")
         fresh_key = await issue_key(url, "edge-fresh-tenant", "edge-user")  # another prefix-cache salt
@@ -139,13 +140,13 @@ async def plain(target_fp32, tokenizer, db_template, rounds):
 
 
 @pytest.fixture(scope="module", params=METHODS)
-async def served(request, plain, target_fp32, tokenizer, db_template):
+async def served(request, plain, target_fp32, tokenizer, fresh_db):
     if request.param == "none":
         yield plain[0]
         return
     from gateway.crud.keys import issue_key
 
-    url = db_template(request.param)
+    url = fresh_db(request.param)
     async with serve(request.param, target_fp32, tokenizer, url) as client:
         key = await issue_key(url, "edge-tenant", "edge-user")
         yield Served(request.param, client, {"Authorization": f"Bearer {key}"})

@@ -24,6 +24,7 @@ from gateway.schemas.openai import (
     ChatCompletionChunk,
     ChunkChoice,
     CompletionChoice,
+    PromptTokensDetails,
     TextCompletion,
     Usage,
 )
@@ -53,8 +54,9 @@ class _Formatter:
         return self.logprobs.num_top if self.logprobs is not None else None
 
     def usage(self, finished: Finished) -> Usage:
+        details = None if finished.cached_tokens is None else PromptTokensDetails(cached_tokens=finished.cached_tokens)
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=finished.completion_tokens,
-                     total_tokens=self.prompt_tokens + finished.completion_tokens)
+                     total_tokens=self.prompt_tokens + finished.completion_tokens, prompt_tokens_details=details)
 
     def spec_stats(self, finished: Finished) -> dict | None:
         return finished.spec.to_dict() if finished.spec is not None else None

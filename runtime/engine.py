@@ -348,7 +348,8 @@ class LLMEngine:
         self._release(seq)
         seq.timings.finished = time.monotonic()
         spec = seq.spec if self.config.spec_method != "none" else None
-        self.emit(seq.request_id, Finished(reason, seq.num_prompt, seq.num_completion, seq.timings, spec))
+        self.emit(seq.request_id, Finished(reason, seq.num_prompt, seq.num_completion, seq.timings, spec,
+                                           seq.num_prompt_cached))
 
     def _fail(self, seq: Sequence, message: str, code: str) -> None:
         if seq.status is SeqStatus.FINISHED:

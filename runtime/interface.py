@@ -201,13 +201,18 @@ class TextDelta:
 
 @dataclass
 class Finished:
-    """Terminal event: the request ended normally (stop/length) or was aborted."""
+    """Terminal event: the request ended normally (stop/length) or was aborted.
+
+    ``cached_tokens``: prompt tokens whose KV came from the prefix cache instead of a
+    prefill (OpenAI ``usage.prompt_tokens_details.cached_tokens``); ``None`` when the
+    backend does not report it."""
 
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     timings: RequestTimings
     spec: SpecStats | None = None
+    cached_tokens: int | None = None
 
     @property
     def decode_tokens_per_s(self) -> float | None:

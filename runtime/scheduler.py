@@ -97,6 +97,7 @@ class BatchScheduler:
             if self.prefix_cache is not None:
                 seq.num_cached = self.prefix_cache.restore(seq.slot, seq.token_ids[: seq.num_prompt],
                                                            seq.request.cache_salt)
+                seq.num_prompt_cached = seq.num_cached
             seq.status = SeqStatus.PREFILL
             self.running.append(seq)
         plan = StepPlan()

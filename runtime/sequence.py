@@ -41,6 +41,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_prompt: int = 0
     num_cached: int = 0
+    num_prompt_cached: int = 0  # prompt tokens restored from the prefix cache on admission
     num_completion: int = 0  # tokens kept (emitted) so far
     slot: int = -1
     status: SeqStatus = SeqStatus.WAITING

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -86,10 +86,25 @@ class CompletionRequest(BaseCompletionRequest):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (not prefilled again)
+
+
 class Usage(BaseModel):
+    """``prompt_tokens_details`` is left out (not ``null``) when the backend does not
+    report cached tokens."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unknown_details(self, handler):  # no return annotation: the JSON schema stays the fields'
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
 
 
 class TopLogprob(BaseModel):

@@ -317,7 +317,7 @@ async def tenancy_status(_: AdminPrincipal, request: Request) -> dict:
     state = request.app.state
     w, a = state.records, state.admission
     return {
-        "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped,
+        "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped, "rejected": w.rejected,
                     "write_errors": w.write_errors, "last_error": w.last_error},
         "admission": {"active": {t: n for t, n in a.tenant_active.items() if n},
                       "waiting": len(a._waiters), "rejections": dict(a.rejections),

@@ -82,3 +82,27 @@ async def test_a_cursor_with_nul_is_400_not_500(tenancy_db):
     async with running_app(tenancy_db) as (app, client):
         r = await client.get("/admin/v1/requests", params={"cursor": cursor}, headers=ADMIN_HEADERS)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cursor", r.text
+
+
+def test_live_server_refuses_a_surrogate_user_and_keeps_recording(live_server):
+    """The issue's probe against the real server (uvicorn, real model): the bad request is a
+    400, and the next request's record appears in ``/v1/requests`` by itself (the
+    background writer, no manual flush; polled with a deadline)."""
+    import time
+
+    import httpx
+
+    h = {**live_server.headers(), **JSON}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    with httpx.Client(base_url=live_server.base_url, timeout=300) as c:
+        bad = c.post("/v1/chat/completions", content=raw_json({**body, "user": "\ud800"}), headers=h)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "user", bad.text
+        good = c.post("/v1/chat/completions", content=raw_json({**body, "user": "after-the-bad-one"}), headers=h)
+        assert good.status_code == 200
+        deadline = time.monotonic() + 60
+        while True:
+            recs = c.get("/v1/requests", params={"user": "after-the-bad-one"}, headers=h).json()["data"]
+            if recs or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert [r["id"] for r in recs] == [good.json()["id"]]

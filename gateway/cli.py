@@ -15,6 +15,10 @@
     sparkgate db upgrade [REV]              default: head
     sparkgate db downgrade REV              e.g. base
 
+A new tenant or tier NAME has 1–64 letters, digits, ``.``, ``_``, ``@`` or ``-`` and starts
+with a letter or digit (:func:`gateway.schemas.text.name_problem`, as the admin API); an
+invalid name or user label is refused with exit code 2 before the database is touched.
+
 Configuration comes from ``SPARKGATE_*`` environment variables / ``.env``
 (:class:`gateway.core.config.Settings`). New keys go to stdout alone, so
 ``KEY=$(sparkgate keys create --tenant acme)`` works; notes go to stderr.
@@ -35,10 +39,26 @@ from gateway.crud import tenants as crud_tenants
 from gateway.crud import tiers as crud_tiers
 from gateway.db import migrate
 from gateway.db.session import make_engine, make_sessionmaker
+from gateway.schemas.text import label_problem, name_problem
 
 
 def _note(msg: str) -> None:
     print(msg, file=sys.stderr)
+
+
+def _bad_argument(args: argparse.Namespace, names: tuple = (), refs: tuple = (), labels: tuple = ()) -> int | None:
+    """2 (after saying why on stderr) when an argument is not a valid new tenant/tier name
+    (``names``), name of an existing one (``refs``; :func:`gateway.schemas.text.name_problem`,
+    the check the admin API uses) or user label (``labels``); None when all are fine."""
+    checks = ((names, name_problem), (refs, lambda v: name_problem(v, existing=True)), (labels, label_problem))
+    for dests, problem_of in checks:
+        for dest in dests:
+            value = getattr(args, dest)
+            problem = value is not None and problem_of(value)
+            if problem:
+                _note(f"error: invalid {dest} {ascii(value)}: {problem}")
+                return 2
+    return None
 
 
 async def _with_session(fn: Callable) -> object:
@@ -112,6 +132,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
+    if (rc := _bad_argument(args, names=("tenant",), labels=("user",))) is not None:
+        return rc
+
     async def run(session):
         row, plaintext = await crud_keys.create_key(session, args.tenant, args.user, token_budget=args.budget,
                                                     rpm_limit=args.rpm, tpm_limit=args.tpm)
@@ -139,6 +162,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    if (rc := _bad_argument(args, labels=("prefix",))) is not None:
+        return rc
     try:
         row = asyncio.run(_with_session(lambda s: crud_keys.revoke_key(s, args.prefix)))
     except crud_keys.AmbiguousPrefixError as exc:
@@ -193,7 +218,9 @@ def _print_tiers(rows) -> None:
                          f"{t.max_queue_wait_s:g}s"))
 
 
-def _run_tier_cmd(fn: Callable, args: argparse.Namespace) -> int:
+def _run_tier_cmd(fn: Callable, args: argparse.Namespace, existing: bool) -> int:
+    if (rc := _bad_argument(args, **{"refs" if existing else "names": ("name",)})) is not None:
+        return rc
     try:
         row = asyncio.run(_with_session(lambda s: fn(s, args.name, **_tier_fields(args))))
     except ValueError as exc:
@@ -207,11 +234,11 @@ def _run_tier_cmd(fn: Callable, args: argparse.Namespace) -> int:
 
 
 def cmd_tiers_create(args: argparse.Namespace) -> int:
-    return _run_tier_cmd(crud_tiers.create_tier, args)
+    return _run_tier_cmd(crud_tiers.create_tier, args, existing=False)
 
 
 def cmd_tiers_update(args: argparse.Namespace) -> int:
-    rc = _run_tier_cmd(crud_tiers.update_tier, args)
+    rc = _run_tier_cmd(crud_tiers.update_tier, args, existing=True)
     if rc == 0:
         _note(f"Running servers apply it within their cache TTL ({Settings().auth_cache_ttl_s:g} s).")
     return rc
@@ -223,6 +250,8 @@ def cmd_tiers_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:
+    if (rc := _bad_argument(args, names=("name",), refs=("tier",))) is not None:
+        return rc
     try:
         row = asyncio.run(_with_session(lambda s: crud_tenants.create_tenant(s, args.name, args.tier)))
     except (crud_tenants.TenantExistsError, crud_tenants.UnknownTierError) as exc:
@@ -233,6 +262,8 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_set_tier(args: argparse.Namespace) -> int:
+    if (rc := _bad_argument(args, refs=("name", "tier"))) is not None:
+        return rc
     tier = None if args.tier == Settings().default_tier else args.tier
     try:
         row = asyncio.run(_with_session(lambda s: crud_tenants.set_tier(s, args.name, tier)))

@@ -124,8 +124,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError, strip_b
     """First pydantic error → 400 naming its field in ``param``.
 
     A field typed as a union (``stop: str | list[str]``) fails once per member; of those
-    errors the one that is not a plain type mismatch says what is wrong (``['a'] * 10`` →
-    "at most 4 items", not "should be a valid string")."""
+    errors (and those of the field's items) the first that is not a plain type mismatch says
+    what is wrong (``['a'] * 10`` → "at most 4 items", ``['a', '\\ud800']`` → ``stop[1]``
+    "not valid Unicode", not "should be a valid string")."""
     errs = exc.errors()
 
     def loc_of(e) -> tuple:
@@ -133,8 +134,12 @@ def from_validation_error(exc: ValidationError | RequestValidationError, strip_b
         return loc[1:] if strip_body and loc and loc[0] == "body" else loc
 
     first = param_path(loc_of(errs[0]))
-    err = next((e for e in errs if param_path(loc_of(e)) == first and not str(e.get("type", "")).endswith("_type")),
-               errs[0])
+
+    def within_first(e) -> bool:
+        p = param_path(loc_of(e))
+        return p == first or (p is not None and first is not None and p.startswith((first + "[", first + ".")))
+
+    err = next((e for e in errs if within_first(e) and not str(e.get("type", "")).endswith("_type")), errs[0])
     loc = loc_of(err)
     if err.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request.", None, "invalid_json")

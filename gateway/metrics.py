@@ -36,7 +36,7 @@ Tenancy series need no calls from the tenancy code: ``rate_limited_requests_tota
 counts rejected outcomes with an admission code (:data:`ADMISSION_CODES`),
 ``admission_queue_time_seconds`` observes ``RequestContext.admission_wait_s``, and the
 request-record writer's backlog/drops (``app.state.records``: ``buffered``,
-``dropped``) are read at scrape time.
+``dropped``, ``rejected``) are read at scrape time.
 
 Cardinality: tenant names pass through :data:`TENANTS` — the first
 ``metrics_max_tenants`` distinct tenants keep their name, later ones are ``other``;
@@ -212,6 +212,9 @@ class StateCollector:
                                     writer.buffered)
             yield CounterMetricFamily("sparkgate:db_records_dropped", "Request records dropped (buffer full).",
                                       writer.dropped)
+            yield CounterMetricFamily("sparkgate:db_records_rejected",
+                                      "Request records the database refused for their data (dropped, logged).",
+                                      writer.rejected)
         yield from self._engine(self.state.backend)
 
     @staticmethod

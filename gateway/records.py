@@ -13,6 +13,13 @@ Database down: rows stay in the buffer (retried with backoff up to 5 s) until it
 :attr:`RecordWriter.dropped` (and logged). When the database is back the buffer
 drains. On shutdown (:meth:`RecordWriter.stop`, from the app lifespan) the buffer is
 flushed, bounded by a timeout.
+
+A row the database refuses for its data (:func:`is_row_error`: e.g. a lone surrogate or
+NUL that got past the edge checks, an over-long value) must not block the others: the
+failed batch is bisected until each bad row is alone, every good row is written, and each
+bad row is dropped once, counted in :attr:`RecordWriter.rejected`
+(``sparkgate:db_records_rejected_total``) and logged with its request id. Any other
+error (database unreachable, locked, out of disk) keeps the rows buffered and retried.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 from collections import deque
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.crud import records as crud_records
@@ -37,6 +45,21 @@ PRUNE_EVERY_S = 3600.0
 
 def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, timezone.utc)
+
+
+def is_row_error(exc: BaseException) -> bool:
+    """Whether ``exc`` from inserting rows is about their data (retrying cannot help)
+    rather than about the database (unreachable, locked, full: retry later).
+
+    Row errors: a value the driver cannot encode (``ValueError``/``TypeError``/
+    ``OverflowError``, raised as is by aiosqlite or wrapped in a ``StatementError``);
+    ``DataError``/``IntegrityError``; and any driver error whose SQLSTATE is class 22
+    (data exception, e.g. Postgres' 22021 for NUL) or 23 (integrity constraint)."""
+    if isinstance(exc, (ValueError, TypeError, OverflowError, DataError, IntegrityError)):
+        return True
+    if isinstance(exc, DBAPIError):
+        return str(getattr(exc.orig, "sqlstate", None) or "")[:2] in ("22", "23")
+    return isinstance(exc, StatementError) and isinstance(exc.orig, (ValueError, TypeError, OverflowError))
 
 
 def record_row(o: RequestOutcome) -> dict:
@@ -88,8 +111,9 @@ class RecordWriter:
     """Batched, bounded, non-blocking writer of request records (module docstring).
 
     Counters other code can read: ``buffered`` (rows waiting), ``written`` (rows
-    inserted), ``dropped`` (rows lost to a full buffer), ``write_errors`` (failed
-    batch attempts); ``last_error`` is the latest database error (or None).
+    inserted), ``dropped`` (rows lost to a full buffer), ``rejected`` (rows the database
+    refused for their data, dropped), ``write_errors`` (failed batch attempts);
+    ``last_error`` is the latest database error (or None).
     """
 
     def __init__(
@@ -116,7 +140,7 @@ class RecordWriter:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._last_rollup = self._last_prune = -math.inf  # both run on the first step, then periodically
-        self.written = self.dropped = self.write_errors = 0
+        self.written = self.dropped = self.rejected = self.write_errors = 0
         self.last_error: str | None = None
 
     @classmethod
@@ -144,15 +168,37 @@ class RecordWriter:
             self._wake.set()
 
     # ------------------------------------------------------------ writer side
-    async def _write_batch(self) -> int:
-        batch = [self._buffer[i] for i in range(min(self.batch_size, len(self._buffer)))]
-        async with self.sessionmaker() as session:
-            await crud_records.insert_records(session, batch)
-        for _ in batch:  # only this task removes rows, so the first len(batch) are these
+    async def _write_batch(self) -> None:
+        await self._write_isolating([self._buffer[i] for i in range(min(self.batch_size, len(self._buffer)))])
+
+    async def _write_isolating(self, rows: list[dict]) -> None:
+        """Insert ``rows`` — the front of the buffer, in order — and remove them from it.
+        On a row error (:func:`is_row_error`) bisect: write the good rows, reject the bad
+        ones. Any other error propagates; the rows not yet written stay buffered (a row
+        written twice is skipped by id, so a retry never double counts)."""
+        try:
+            async with self.sessionmaker() as session:
+                await crud_records.insert_records(session, rows)
+        except Exception as exc:
+            if not is_row_error(exc):
+                raise
+            if len(rows) == 1:
+                self._buffer.popleft()  # rows[0]
+                self._reject(rows[0], exc)
+                return
+            await self._write_isolating(rows[:len(rows) // 2])
+            await self._write_isolating(rows[len(rows) // 2:])
+            return
+        for _ in rows:  # only this task removes rows, so the first len(rows) are these
             self._buffer.popleft()
-        self.written += len(batch)
-        self._dirty.update((crud_records.minute_of(r["finished_at"]), r["tenant"]) for r in batch)
-        return len(batch)
+        self.written += len(rows)
+        self._dirty.update((crud_records.minute_of(r["finished_at"]), r["tenant"]) for r in rows)
+
+    def _reject(self, row: dict, exc: Exception) -> None:
+        self.rejected += 1
+        reason = f"{type(exc).__name__}: {getattr(exc, 'orig', None) or exc}"[:300]
+        log.error("request record %s (tenant %s) rejected by the database and dropped (%d so far): %s",
+                  row["id"], ascii(row["tenant"]), self.rejected, reason.encode("utf-8", "backslashreplace").decode())
 
     async def _rollup(self) -> None:
         dirty, self._dirty = self._dirty, set()

@@ -111,17 +111,6 @@ def _message_text(msg: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
-def valid_text(text: str, param: str) -> str:
-    """``text`` itself, or 400 when it cannot be encoded as UTF-8 (a lone surrogate such as
-    JSON's ``"\\ud800"``): the tokenizer would fail on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid_request(f"Invalid {param}: the text is not valid Unicode ({exc.reason} at position "
-                              f"{exc.start}).", param, "invalid_value") from None
-    return text
-
-
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """``[{"role", "content": str}]`` for :meth:`Backend.apply_chat_template`.
 
@@ -139,8 +128,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                 "'user' and 'assistant'.", param, "invalid_value")
         if msg.tool_calls or msg.function_call:
             raise unsupported(f"messages[{i}].tool_calls", "Tool calling is not available yet.")
-        out.append({"role": TEMPLATE_ROLES[msg.role],
-                    "content": valid_text(_message_text(msg, i), f"messages[{i}].content")})
+        out.append({"role": TEMPLATE_ROLES[msg.role], "content": _message_text(msg, i)})
     return out
 
 
@@ -149,7 +137,7 @@ def completion_prompt(body: CompletionRequest) -> str:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     if not prompt:
         raise invalid_request("The prompt must not be empty.", "prompt", "invalid_value")
-    return valid_text(prompt, "prompt")
+    return prompt
 
 
 def completion_budget(prompt_len: int, max_context: int, requested: int | None, param: str) -> int:

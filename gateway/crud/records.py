@@ -135,9 +135,12 @@ def encode_cursor(row: RequestRecord) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """Raises ValueError on a malformed cursor."""
+    """Raises ValueError on a malformed cursor (also one whose id holds NUL, which
+    Postgres cannot compare)."""
     try:
         ts, _, rid = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
+        if "\x00" in rid:
+            raise ValueError("NUL in the cursor's id")
         return datetime.fromisoformat(ts), rid
     except Exception as exc:  # noqa: BLE001 — any garbage is a client error
         raise ValueError("invalid cursor") from exc

@@ -4,7 +4,9 @@ Requests are validated strictly (no ``"1"`` → ``1`` coercion, no bools as ints
 and unknown fields are ignored, because agent frameworks send extras. Parameters
 that OpenAI defines but this server does not implement are declared as loose
 ``Any`` fields so :mod:`gateway.translate` can reject them by name instead of
-ignoring them. Source: OpenAI API reference, "Chat" and "Completions (legacy)".
+ignoring them. Every string must be valid Unicode (:mod:`gateway.schemas.text`: a lone
+surrogate is a 400 naming the field); ``user`` is stored, so it also may not hold NUL.
+Source: OpenAI API reference, "Chat" and "Completions (legacy)".
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from gateway.schemas.text import Label, Text
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -23,14 +27,14 @@ class _Request(BaseModel):
 class ContentPart(_Request):
     """One element of a list-valued message ``content``; only ``type: "text"`` is supported."""
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
     tool_calls: Any = None
     function_call: Any = None
 
@@ -42,19 +46,19 @@ class StreamOptions(_Request):
 class BaseCompletionRequest(_Request):
     """Fields shared by chat and legacy completions."""
 
-    model: str
+    model: Text
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # a 64-bit generator seed
-    user: str | None = None
+    user: Label | None = None  # stored in request_records.user: no NUL, ≤ 256 characters
     ignore_eos: bool | None = False  # extension (benchmarks)
     return_spec_stats: bool | None = False  # Sparkgate extension
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
     # Defined by OpenAI, not implemented: rejected by name in gateway.translate.
     n: Any = None
     presence_penalty: Any = None
@@ -75,7 +79,7 @@ class ChatCompletionRequest(BaseCompletionRequest):
 
 
 class CompletionRequest(BaseCompletionRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's legacy default
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
     echo: Any = None

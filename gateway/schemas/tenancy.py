@@ -1,11 +1,17 @@
 """Admin and usage API bodies (tiers, tenants, keys, request records). Units: tokens/s,
-requests/min, tokens/min, seconds; ``null`` limits mean unlimited."""
+requests/min, tokens/min, seconds; ``null`` limits mean unlimited.
+
+Tenant and tier names go through the one name check (:func:`gateway.schemas.text.name_problem`):
+:data:`Name` where a name is created (new tier, tenant, or key of a new tenant),
+:data:`NameRef` where it looks up an existing row; user labels are :data:`Label`."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.schemas.text import Label, Name, NameRef
 
 
 class _In(BaseModel):
@@ -26,7 +32,7 @@ class TierLimits(_In):
 
 
 class TierCreate(TierLimits):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: Name
 
 
 class TierOut(_Out):
@@ -41,12 +47,12 @@ class TierOut(_Out):
 
 
 class TenantCreate(_In):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")
-    tier: str | None = None
+    name: Name
+    tier: NameRef | None = None
 
 
 class TenantPatch(_In):
-    tier: str | None = Field(description="tier name; null → the default tier")
+    tier: NameRef | None = Field(description="tier name; null → the default tier")
 
 
 class TenantOut(BaseModel):
@@ -57,8 +63,8 @@ class TenantOut(BaseModel):
 
 
 class KeyCreate(_In):
-    tenant: str = Field(min_length=1, max_length=128)
-    user: str | None = Field(None, max_length=256, description="user label stored with the key")
+    tenant: Name = Field(description="created when it does not exist yet")
+    user: Label | None = Field(None, description="user label stored with the key")
     expires_at: datetime | None = None
     token_budget: int | None = Field(None, gt=0, description="total tokens (prompt + completion) allowed")
     rpm_limit: int | None = Field(None, gt=0, description="requests per minute for this key")
@@ -66,7 +72,7 @@ class KeyCreate(_In):
 
 
 class KeyPatch(_In):
-    user: str | None = Field(None, max_length=256)
+    user: Label | None = None
     expires_at: datetime | None = None
     token_budget: int | None = Field(None, gt=0)
     rpm_limit: int | None = Field(None, gt=0)

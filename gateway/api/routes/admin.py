@@ -23,6 +23,7 @@ from gateway.schemas.tenancy import (
     KeyCreate, KeyCreated, KeyOut, KeyPatch, RecordOut, RecordPage, TenantCreate, TenantOut, TenantPatch,
     TierCreate, TierLimits, TierOut,
 )
+from gateway.schemas.text import Label, NameRef
 from gateway.stats import user_tokens_per_s
 
 router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)])
@@ -88,7 +89,7 @@ async def create_tier(body: TierCreate, request: Request, session: Session) -> T
 
 
 @router.get("/tiers/{name}")
-async def get_tier(name: str, session: Session) -> TierOut:
+async def get_tier(name: NameRef, session: Session) -> TierOut:
     row = await crud_tiers.get_tier(session, name)
     if row is None:
         raise not_found("tier")
@@ -96,7 +97,7 @@ async def get_tier(name: str, session: Session) -> TierOut:
 
 
 @router.patch("/tiers/{name}")
-async def update_tier(name: str, body: TierLimits, request: Request, session: Session) -> TierOut:
+async def update_tier(name: NameRef, body: TierLimits, request: Request, session: Session) -> TierOut:
     """Only the fields present change; ``null`` clears a limit (unlimited)."""
     row = await crud_tiers.update_tier(session, name, **body.model_dump(exclude_unset=True))
     if row is None:
@@ -106,7 +107,7 @@ async def update_tier(name: str, body: TierLimits, request: Request, session: Se
 
 
 @router.delete("/tiers/{name}")
-async def delete_tier(name: str, request: Request, session: Session) -> dict:
+async def delete_tier(name: NameRef, request: Request, session: Session) -> dict:
     if not await crud_tiers.delete_tier(session, name):
         raise not_found("tier")
     _changed(request)
@@ -133,7 +134,7 @@ async def create_tenant(body: TenantCreate, request: Request, session: Session) 
 
 
 @router.get("/tenants/{name}")
-async def get_tenant(name: str, request: Request, session: Session) -> TenantOut:
+async def get_tenant(name: NameRef, request: Request, session: Session) -> TenantOut:
     row = await crud_tenants.get_tenant(session, name)
     if row is None:
         raise not_found("tenant")
@@ -141,7 +142,7 @@ async def get_tenant(name: str, request: Request, session: Session) -> TenantOut
 
 
 @router.patch("/tenants/{name}")
-async def set_tenant_tier(name: str, body: TenantPatch, request: Request, session: Session) -> TenantOut:
+async def set_tenant_tier(name: NameRef, body: TenantPatch, request: Request, session: Session) -> TenantOut:
     try:
         row = await crud_tenants.set_tier(session, name, body.tier)
     except crud_tenants.UnknownTierError as exc:
@@ -153,7 +154,7 @@ async def set_tenant_tier(name: str, body: TenantPatch, request: Request, sessio
 
 
 @router.delete("/tenants/{name}")
-async def delete_tenant(name: str, request: Request, session: Session) -> dict:
+async def delete_tenant(name: NameRef, request: Request, session: Session) -> dict:
     """Deletes the tenant and its keys (records are kept)."""
     if not await crud_tenants.delete_tenant(session, name):
         raise not_found("tenant")
@@ -164,7 +165,7 @@ async def delete_tenant(name: str, request: Request, session: Session) -> dict:
 
 # ---------------------------------------------------------------------- keys
 @router.get("/keys")
-async def list_keys(session: Session, tenant: str | None = None) -> dict:
+async def list_keys(session: Session, tenant: NameRef | None = None) -> dict:
     rows = await crud_keys.list_keys(session)
     return {"object": "list", "data": [key_out(k) for k in rows if tenant is None or k.tenant.name == tenant]}
 
@@ -227,7 +228,7 @@ async def record_page(session: AsyncSession, *, limit: int, cursor: str | None, 
 
 @router.get("/requests")
 async def list_requests(
-    session: Session, tenant: str | None = None, user: str | None = None, tier: str | None = None,
+    session: Session, tenant: NameRef | None = None, user: Label | None = None, tier: NameRef | None = None,
     status: Status | None = None, since: datetime | None = None, until: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None,
 ) -> RecordPage:
@@ -238,7 +239,7 @@ async def list_requests(
 
 
 @router.get("/requests/{record_id}")
-async def get_request(record_id: str, session: Session) -> RecordOut:
+async def get_request(record_id: Label, session: Session) -> RecordOut:
     row = await crud_records.get_record(session, record_id)
     if row is None:
         raise not_found("request record")
@@ -247,7 +248,7 @@ async def get_request(record_id: str, session: Session) -> RecordOut:
 
 @router.get("/usage/tokens_per_s")
 async def tokens_per_s_series(
-    session: Session, tenant: str | None = None, user: str | None = None, tier: str | None = None,
+    session: Session, tenant: NameRef | None = None, user: Label | None = None, tier: NameRef | None = None,
     since: datetime | None = None, until: datetime | None = None,
 ) -> dict:
     """Per-user tok/s per minute (median of the user's per-request decode tok/s in
@@ -259,7 +260,7 @@ async def tokens_per_s_series(
 
 @router.get("/usage/users")
 async def users_summary(
-    session: Session, tenant: str | None = None, tier: str | None = None,
+    session: Session, tenant: NameRef | None = None, tier: NameRef | None = None,
     since: datetime | None = None, until: datetime | None = None,
 ) -> dict:
     """Per (tenant, user) totals over the window (default: the last hour) from the
@@ -288,7 +289,7 @@ async def users_summary(
 
 @router.get("/stats/acceptance")
 async def acceptance(
-    session: Session, group_by: Literal["tenant", "model", "tier"] = "tenant", tenant: str | None = None,
+    session: Session, group_by: Literal["tenant", "model", "tier"] = "tenant", tenant: NameRef | None = None,
     since: datetime | None = None, until: datetime | None = None,
 ) -> dict:
     """Speculative acceptance per tenant/model/tier, with per-position acceptance."""
@@ -318,7 +319,7 @@ async def tenancy_status(_: AdminPrincipal, request: Request) -> dict:
     state = request.app.state
     w, a = state.records, state.admission
     return {
-        "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped,
+        "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped, "rejected": w.rejected,
                     "write_errors": w.write_errors, "last_error": w.last_error},
         "admission": {"active": {t: n for t, n in a.tenant_active.items() if n},
                       "waiting": len(a._waiters), "rejections": dict(a.rejections),

@@ -15,6 +15,7 @@ from gateway.api.deps import CurrentPrincipal, get_session
 from gateway.api.routes.admin import not_found, record_page, utc, window
 from gateway.crud import records as crud_records
 from gateway.schemas.tenancy import RecordOut, RecordPage
+from gateway.schemas.text import Label
 
 router = APIRouter(prefix="/v1")
 Session = Annotated[AsyncSession, Depends(get_session)]
@@ -22,7 +23,7 @@ Session = Annotated[AsyncSession, Depends(get_session)]
 
 @router.get("/requests")
 async def own_requests(
-    principal: CurrentPrincipal, session: Session, user: str | None = None,
+    principal: CurrentPrincipal, session: Session, user: Label | None = None,
     status: Literal["finished", "failed", "cancelled", "rejected"] | None = None,
     since: datetime | None = None, until: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None,
@@ -33,7 +34,7 @@ async def own_requests(
 
 
 @router.get("/requests/{record_id}")
-async def own_request(record_id: str, principal: CurrentPrincipal, session: Session) -> RecordOut:
+async def own_request(record_id: Label, principal: CurrentPrincipal, session: Session) -> RecordOut:
     row = await crud_records.get_record(session, record_id, tenant=principal.tenant)
     if row is None:
         raise not_found("request record")
@@ -41,7 +42,7 @@ async def own_request(record_id: str, principal: CurrentPrincipal, session: Sess
 
 
 @router.get("/usage")
-async def own_usage(principal: CurrentPrincipal, session: Session, user: str | None = None,
+async def own_usage(principal: CurrentPrincipal, session: Session, user: Label | None = None,
                     since: datetime | None = None, until: datetime | None = None) -> dict:
     """Per-user tok/s per minute and totals of the caller's tenant (default: last hour):
     ``requests``, ``requests_by_status`` and the billed tokens (served requests only,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import threading
 import time
@@ -47,6 +48,20 @@ def test_committed_build_matches_the_sources():
             text = f.read_text()
             for needle in ('src="http', "src='http", 'href="http', "@import url(http", "//cdn."):
                 assert needle not in text, (f, needle)
+
+def test_the_forms_name_rule_is_the_apis():
+    """The tenant and tier forms check names with the API's one rule (gateway/schemas/text.py),
+    so the UI never accepts a name the API refuses or refuses one it accepts."""
+    from gateway.schemas.text import NAME_MAX, NAME_PATTERN
+
+    ui_ts = (ROOT / "admin_ui" / "src" / "ui.ts").read_text()
+    m = re.search(r"const NAME_RE = /\^(.+)\$/;", ui_ts)
+    assert m, "NAME_RE not found in admin_ui/src/ui.ts"
+    assert m.group(1) == NAME_PATTERN.pattern
+    assert f"n.length > {NAME_MAX}" in ui_ts
+    pages = [(ROOT / "admin_ui" / "src" / "pages" / f).read_text() for f in ("tiers.ts", "tenants.ts")]
+    assert all("nameError(" in p and "_RE =" not in p for p in pages)
+
 
 
 async def test_admin_pages_are_served_without_a_key_and_the_api_still_needs_one(sqlite_db):

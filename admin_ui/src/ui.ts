@@ -141,6 +141,14 @@ export function table(headers: string[], cls = ""): { el: HTMLTableElement; body
 }
 
 /** How a (tenant, user) pair is named everywhere (chart legends, tables). */
+/** The API's rule for a new tenant or tier name (gateway/schemas/text.py NAME_PATTERN): null when valid. */
+const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$/;
+export function nameError(n: string): string | null {
+  if (!n) return "Required.";
+  if (n.length > 64) return "At most 64 characters.";
+  return NAME_RE.test(n) ? null : "Letters, digits, . _ @ and -, starting with a letter or digit.";
+}
+
 export function userLabel(tenant: string, user: string | null): string {
   return `${user ?? "(no user)"} · ${tenant}`;
 }

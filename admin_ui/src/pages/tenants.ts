@@ -1,9 +1,8 @@
 import { ApiError, get, patch, post, type Key, type KeyCreated, type List, type Tenant, type Tier } from "../api";
 import { clear, fmtInt, h, newId, when } from "../dom";
 import type { Ctx } from "../main";
-import { field, messageBox, pageHeader, section, table } from "../ui";
+import { field, messageBox, nameError, pageHeader, section, table } from "../ui";
 
-const TENANT_RE = /^[A-Za-z0-9_.@-]+$/;
 
 function optInt(raw: string, label: string): [number | null, string | null] {
   if (raw === "") return [null, null];
@@ -133,7 +132,7 @@ export async function renderTenants(ctx: Ctx): Promise<HTMLElement> {
     e.preventDefault();
     tMsg.clear();
     const n = tName.value();
-    const err = !n ? "Required." : n.length > 128 ? "At most 128 characters." : !TENANT_RE.test(n) ? "Only letters, digits, _ . @ and -." : null;
+    const err = nameError(n);
     tName.setError(err);
     if (err) return void tName.input.focus();
     try {

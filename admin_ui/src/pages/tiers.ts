@@ -1,7 +1,7 @@
 import { ApiError, get, patch, post, type List, type Tier } from "../api";
 import { clear, fmt, fmtInt, h } from "../dom";
 import type { Ctx } from "../main";
-import { field, messageBox, pageHeader, section, table, type Field } from "../ui";
+import { field, messageBox, nameError, pageHeader, section, table, type Field } from "../ui";
 
 type Kind = "positive" | "positiveInt" | "int" | "nonNegative";
 interface Spec {
@@ -20,7 +20,6 @@ const FIELDS: Spec[] = [
   { key: "priority", label: "Priority", hint: "larger is admitted first", kind: "int", optional: false },
   { key: "max_queue_wait_s", label: "Max queue wait (s)", hint: "before a queued request gets 429", kind: "nonNegative", optional: false },
 ];
-const NAME_RE = /^[A-Za-z0-9_.-]+$/;
 
 /** Parse one field; returns [value, error]. */
 export function parseField(spec: Spec, raw: string): [number | null, string | null] {
@@ -63,7 +62,7 @@ function tierForm(tier: Tier | null, done: (t: Tier) => void, cancel: (() => voi
     if (name) {
       name.setError(null);
       const n = name.value();
-      const err = !n ? "Required." : n.length > 64 ? "At most 64 characters." : !NAME_RE.test(n) ? "Only letters, digits, _ . and -." : null;
+      const err = nameError(n);
       name.setError(err);
       if (err) firstBad = name;
       body.name = n;

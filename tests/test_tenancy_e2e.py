@@ -13,7 +13,7 @@ import pytest
 from gateway.ratelimit import RateLimiter
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat
-from tests.polling import async_wait_until
+from tests.polling import async_wait_until, wait_until
 from tests.tenancy_fixtures import ADMIN_HEADERS, admin_setup, bearer, new_key, running_app
 
 A = ADMIN_HEADERS
@@ -146,7 +146,8 @@ def test_live_server_records_real_requests(live_server):
     """The real model under uvicorn: a gold tenant's requests leave complete records."""
     base, admin = live_server.base_url, bearer(live_server.admin_token)
     with httpx.Client(base_url=base, timeout=300) as c:
-        assert c.post("/admin/v1/tiers", json={"name": "live-gold", "min_tokens_per_s": 1, "rpm": 600,
+        # a target any CPU meets however loaded (a forward can take ~2 s): sla_met must be True
+        assert c.post("/admin/v1/tiers", json={"name": "live-gold", "min_tokens_per_s": 0.01, "rpm": 600,
                                                "priority": 5}, headers=admin).status_code in (201, 409)
         c.post("/admin/v1/tenants", json={"name": "live-acme", "tier": "live-gold"}, headers=admin)
         key = c.post("/admin/v1/keys", json={"tenant": "live-acme", "user": "ann"}, headers=admin).json()["key"]
@@ -157,16 +158,21 @@ def test_live_server_records_real_requests(live_server):
             r = c.post("/v1/chat/completions", json={**body, "stream": stream}, headers=bearer(key))
             assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "600"
             ids.append(r.json()["id"] if not stream else r.text.split('"id":"')[1].split('"')[0])
-        assert c.post("/admin/v1/rollups/refresh", headers=admin).status_code == 204
-        recs = c.get("/v1/requests", headers=bearer(key)).json()["data"]
+
+        def records() -> list | None:  # an outcome is reported after the response's last byte: poll
+            assert c.post("/admin/v1/rollups/refresh", headers=admin).status_code == 204
+            recs = c.get("/v1/requests", headers=bearer(key)).json()["data"]
+            return recs if len(recs) >= len(ids) else None
+
+        recs = wait_until(records, "a record of both requests")
         assert sorted(r["id"] for r in recs) == sorted(ids)
         for rec in recs:
             assert (rec["tenant"], rec["user"], rec["tier"], rec["status"]) == ("live-acme", "ann", "live-gold", "finished")
             assert rec["completion_tokens"] == 24 and rec["finish_reason"] == "length" and rec["prompt_tokens"] > 5
-            assert rec["ttft_s"] > 0 and rec["decode_tokens_per_s"] > 1 and rec["predicted_tokens_per_s"] > 0
-            assert rec["sla_target_tokens_per_s"] == 1 and rec["sla_met"] is True
+            assert rec["ttft_s"] > 0 and rec["decode_tokens_per_s"] > 0.01 and rec["predicted_tokens_per_s"] > 0
+            assert rec["sla_target_tokens_per_s"] == 0.01 and rec["sla_met"] is True
             assert rec["queued_at"] <= rec["started_at"] <= rec["first_token_at"] <= rec["finished_at"]
         series = c.get("/v1/usage", headers=bearer(key)).json()
         assert series["requests"] == 2 and series["completion_tokens"] == 48
         point = series["data"][0]["points"][-1]
-        assert point["tokens_per_s"] > 1
+        assert point["tokens_per_s"] > 0.01

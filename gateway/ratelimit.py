@@ -223,10 +223,11 @@ def _keep_tightest(states: dict[str, BucketState], kind: str, state: BucketState
 
 class RateLimiter:
     """Checks several :class:`Limit` s at once: all are taken or none (a refused request
-    costs nothing). Falls back to a local store when the shared store fails."""
+    costs nothing). Falls back to a local store when the shared store fails.
+    ``clock``: the local store's clock (seconds, monotonic; tests inject a fake one)."""
 
-    def __init__(self, store: BucketStore | None = None):
-        self.local = LocalBucketStore()
+    def __init__(self, store: BucketStore | None = None, clock=time.monotonic):
+        self.local = LocalBucketStore(clock)
         self.store = store or self.local
         self.store_errors = 0  # shared-store failures (served from the local store instead)
 

@@ -73,12 +73,15 @@ class LLMEngine:
         emit: called (in the engine thread) with ``(request_id, event)`` for every
             :class:`TextDelta` / :class:`Finished` / :class:`Failed`.
         model, tokenizer: injected for tests; loaded from the cache otherwise.
+        clock: seconds for request deadlines (``time.monotonic``; tests inject a fake
+            one so a deadline does not race a slow forward on a loaded machine).
 
     Raises:
         ValueError: unknown dtype.
     """
 
-    def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if config.dtype == "auto":  # the default: gguf where its kernels run, else bf16 / fp32 by the CPU
             config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
             log.info("dtype auto → %s", config.dtype)
@@ -88,6 +91,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.emit = emit
+        self.clock = clock
         model_dir = None
         if model is None or tokenizer is None:
             model_dir = ensure_converted()
@@ -137,7 +141,7 @@ class LLMEngine:
             request=req,
             max_tokens=max_tokens,
             generator=torch.Generator().manual_seed(seed),
-            deadline=now + (req.timeout_s or self.config.request_timeout_s),
+            deadline=self.clock() + (req.timeout_s or self.config.request_timeout_s),
             detok=Detokenizer(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_id, max_tokens),
             token_ids=list(req.prompt_token_ids),
             num_prompt=n,
@@ -363,7 +367,7 @@ class LLMEngine:
         self._by_id.pop(seq.request_id, None)
 
     def _expire_timeouts(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if now > seq.deadline:
                 self._fail(seq, "request timed out", "timeout")

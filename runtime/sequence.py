@@ -30,7 +30,8 @@ class Sequence:
         max_tokens: completion-token cap (already clamped to the context).
         generator: per-request ``torch.Generator`` (seeded when the request has a seed),
             so sampling is reproducible whatever else is in the batch.
-        deadline: ``time.monotonic()`` after which the request fails with ``timeout``.
+        deadline: time on the engine's clock (``LLMEngine.clock``, by default
+            ``time.monotonic()``) after which the request fails with ``timeout``.
     """
 
     request: GenerationRequest

@@ -57,6 +57,7 @@ class FakeBackend:
     token_delay_s: float = 0.0
     ready_on_start: bool = True
     start_error: Exception | None = None
+    gate: asyncio.Event | None = None  # set: generations start only once the test sets it (holding their slot)
 
     requests: list[GenerationRequest] = field(default_factory=list)
     templated: list[list[dict]] = field(default_factory=list)  # messages given to apply_chat_template
@@ -142,6 +143,8 @@ class FakeBackend:
     async def _run(self, req: GenerationRequest) -> AsyncIterator[Event]:
         if self.queue_full:
             raise QueueFullError("engine queue is full", retry_after_s=self.retry_after_s)
+        if self.gate is not None:
+            await self.gate.wait()
         timings = RequestTimings(wall_queued=time.time(), queued=time.monotonic())
         limit = req.sampling.max_tokens if req.sampling.max_tokens is not None else self.max_context
         if req.sampling.ignore_eos:

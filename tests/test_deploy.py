@@ -84,8 +84,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 def speculating_gateway():
     """uvicorn factory: a gateway whose FakeBackend speculates (γ = 4, DSpark policy, an
-    SPS table); its database is set up by the ``spec_gateway`` fixture."""
+    SPS table); its database is set up by the ``spec_gateway`` fixture. Its rate-limit
+    buckets never refill (a frozen clock): the 1-rpm key must stay limited however long a
+    loaded machine takes over the test's rounds (over a minute would refill it)."""
     from gateway.main import create_app
+    from gateway.ratelimit import RateLimiter
     from runtime.dspark.sps import SpsTable
     from runtime.interface import SpecInfo
     from tests.fakes import FakeBackend
@@ -99,7 +102,9 @@ def speculating_gateway():
             table = SpsTable([1, 4, 16], [512], [[30.0, 28.0, 20.0]], note="test")
             return SpecInfo("dspark", "dspark-sla", 4, table.to_dict())
 
-    return create_app(backend=SpeculatingFake(max_context=512, token_delay_s=0.01))
+    app = create_app(backend=SpeculatingFake(max_context=512, token_delay_s=0.01))
+    app.state.admission.limiter = RateLimiter(clock=lambda: 0.0)
+    return app
 
 
 async def tiers_and_keys(db_url: str) -> list[str]:
@@ -162,6 +167,11 @@ class Prometheus:
 
     def wait_for(self, expr: str, want: float) -> None:
         eventually(lambda: self.scalar(expr), want, expr)
+
+    def wait_for_scrape_after(self, t: float) -> None:
+        """Until both targets were scraped after wall time ``t`` (so every value set before is in)."""
+        last = 'min(timestamp(up{job=~"sparkgate|sparkgate-spec"}))'
+        eventually(lambda: (self.scalar(last) or 0.0) > t, True, f"a scrape of both targets after {t}")
 
 
 def eventually(fn, want, what: str, timeout_s: float = 30.0) -> None:
@@ -246,7 +256,7 @@ def test_every_dashboard_query_returns_data_from_prometheus(live_server, spec_ga
         eventually(drafts, drafts0 + 3 * spec_ran, "spec drafts")  # FakeBackend: 3 rounds for 7 tokens
         prom.wait_for('sum(sparkgate:generation_tokens_total{job="sparkgate"})', gen0 + tokens)
         prom.wait_for('sum(sparkgate:spec_decode_num_drafts_total{job="sparkgate-spec"})', drafts0 + 3 * spec_ran)
-        time.sleep(3)  # a few more scrapes of both targets
+        prom.wait_for_scrape_after(time.time())  # every counter of the round (the last 429s too) is in
     # the spec target contributes only the series the AR live server cannot produce
     assert prom.query('{job="sparkgate-spec", __name__=~"sparkgate:(generation_tokens_total|num_requests_running)"}') == []
     assert prom.scalar('sum(sparkgate:request_errors_total{job="sparkgate", code="model_not_found"})') >= 2
@@ -259,13 +269,16 @@ def test_every_dashboard_query_returns_data_from_prometheus(live_server, spec_ga
     # (the shared live server may carry SLA series of tiers other tests created)
     assert sla == {"gold/met": 4.0, "platinum/missed": 4.0}
 
-    failures = []
-    for title, expr in dashboard_targets():
-        result = prom.query(promql(expr))
-        values = [float(r["value"][1]) for r in result]
-        if not any(math.isfinite(v) for v in values):
-            failures.append(f"{title}: {expr} → {values or 'no series'}")
-    assert not failures, "panels without data:\n" + "\n".join(failures)
+    def panels_without_data() -> list[str]:
+        failures = []
+        for title, expr in dashboard_targets():
+            values = [float(r["value"][1]) for r in prom.query(promql(expr))]
+            if not any(math.isfinite(v) for v in values):
+                failures.append(f"{title}: {expr} → {values or 'no series'}")
+        return failures
+
+    # a rate() needs two scrapes of a series: poll while Prometheus keeps scraping (1 s)
+    eventually(panels_without_data, [], "panels without data")
 
 
 # -- static checks of the artefacts --------------------------------------------------------------

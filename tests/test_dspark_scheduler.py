@@ -488,9 +488,9 @@ def test_speed_batch16_gamma7():
     conf = list(torch.rand(16, 7, generator=torch.Generator().manual_seed(1)) * 0.3 + 0.7)
     w = [1.0] * 16
     schedule("dspark-sla", conf, TABLE, weights=w)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: other processes loading the machine do not count
     reps = 200
     for _ in range(reps):
         schedule("dspark-sla", conf, TABLE, weights=w, context_len=700)
-    per_call = (time.perf_counter() - t0) / reps
+    per_call = (time.process_time() - t0) / reps
     assert per_call < 1e-3, per_call

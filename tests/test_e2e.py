@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
+
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.model
 
@@ -35,6 +36,12 @@ def post(live, body, key=None, **kw):
 
 def engine_load(live) -> dict:
     return httpx.get(live.base_url + "/admin/v1/engine", headers=live.headers(live.admin_token), timeout=10).json()
+
+
+def own_record(live, rid: str) -> dict | None:
+    """The request record of ``rid`` (``None`` until the record writer has flushed it)."""
+    r = httpx.get(f"{live.base_url}/v1/requests/{rid}", headers=live.headers(), timeout=10)
+    return r.json() if r.status_code == 200 else None
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +133,16 @@ def test_client_disconnect_frees_the_slot(live_server):
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: ") and '"content"' in line:
+                    rid = json.loads(line[6:])["id"]
                     got += 1
                 if got >= 5:
                     break
             assert engine_load(live_server)["running"] == 1
-    t0 = time.monotonic()
-    while engine_load(live_server)["running"] != 0:
-        assert time.monotonic() - t0 < 1.0, "slot not freed within a second of the disconnect"
-        time.sleep(0.05)
+    # A step can take seconds on a loaded machine: poll, then tell an abort from the end of
+    # the request: the disconnect freed the slot with far fewer than its 1000 tokens.
+    wait_until(lambda: engine_load(live_server)["running"] == 0, "the slot freed after the disconnect")
+    record = wait_until(lambda: own_record(live_server, rid), f"the record of {rid}")
+    assert record["status"] == "cancelled" and 0 < record["completion_tokens"] < 1000, record
 
 
 def test_auth_and_bad_requests(live_server):
@@ -183,12 +192,15 @@ def test_eight_concurrent_streams_batch_for_real(live_server):
     async def go():
         async with httpx.AsyncClient(base_url=live_server.base_url, headers=live_server.headers(), timeout=300) as c:
             alone = [await _stream_text(c, p) for p in prompts]
-            before = engine_load(live_server)["forward_steps"]
+            before = engine_load(live_server)
             together = await asyncio.gather(*(_stream_text(c, p) for p in prompts))
-            after = engine_load(live_server)["forward_steps"]
-            return alone, together, after - before
+            after = engine_load(live_server)
+            return alone, together, {k: after[k] - before[k] for k in ("decode_steps", "verify_tokens")}
 
     alone, together, steps = asyncio.run(go())
     assert all(len(t) > 0 for t in together)
     assert together == alone  # fp32: batching does not change the text, for each of the 8
-    assert steps <= 80, f"8 × 64 tokens took {steps} forward steps"
+    assert steps["verify_tokens"] == 8 * 63  # each stream: 1 token from its prefill, 63 decoded (one row each)
+    # Batched: on average at least 4 of the 8 streams shared each decode step (one by one: 1). A
+    # loaded machine may admit the 8 over several steps, so the bound does not assume they arrive at once.
+    assert steps["decode_steps"] <= 8 * 63 // 4, steps

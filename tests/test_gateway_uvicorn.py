@@ -16,6 +16,7 @@ import uvicorn
 from gateway.main import create_app
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import MODEL, make_settings
+from tests.polling import wait_until
 from gateway.crud.keys import issue_key
 
 
@@ -108,7 +109,5 @@ def test_tcp_disconnect_aborts_engine_request(server):
         for line in r.iter_lines():
             if ' w3"' in line:
                 break
-    deadline = time.monotonic() + 3
-    while not backend.aborted and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: backend.aborted, "the engine request aborted")
     assert backend.aborted == [backend.requests[-1].request_id] and backend.completed == []

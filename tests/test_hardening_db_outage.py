@@ -22,6 +22,7 @@ from gateway.db.migrate import upgrade
 from gateway.db.session import make_engine, make_sessionmaker
 from tests.conftest import require_or_skip
 from tests.gateway_fixtures import chat
+from tests.polling import async_wait_until
 from tests.tenancy_fixtures import bearer, new_key, running_app
 
 pytestmark = pytest.mark.postgres
@@ -89,11 +90,7 @@ async def test_real_postgres_outage_keeps_serving_buffers_records_and_drains(clu
         w = app.state.records
         for _ in range(5):
             assert (await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
-        for _ in range(50):
-            if w.written == 5:
-                break
-            await asyncio.sleep(0.1)
-        assert w.written == 5
+        await async_wait_until(lambda: w.written == 5, "the first 5 records written")
 
         await asyncio.to_thread(cluster.stop)  # the database goes away mid-run
         await asyncio.sleep(0.6)  # past the auth cache TTL: lookups now fail → stale cache
@@ -102,16 +99,13 @@ async def test_real_postgres_outage_keeps_serving_buffers_records_and_drains(clu
         assert codes == [200] * 30, codes  # serving continues on the cached key
         r = await client.post("/v1/chat/completions", json=chat(), headers=bearer("sk-sg-unknown-key-xyz"))
         assert r.status_code == 503 and r.json()["error"]["code"] == "auth_unavailable"  # unknown: can't tell
-        await asyncio.sleep(0.5)
-        assert w.buffered == 20 and w.dropped == 10 and w.write_errors >= 1 and w.last_error
+        await async_wait_until(lambda: w.write_errors >= 1, "a failed record write")
+        assert w.buffered == 20 and w.dropped == 10 and w.last_error
         assert w.written == 5
 
         await asyncio.to_thread(cluster.start)
-        for _ in range(200):  # writer backoff is ≤ 5 s
-            if w.buffered == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert w.buffered == 0 and w.written == 25 and w.dropped == 10
+        await async_wait_until(lambda: w.buffered == 0, "the buffer drained")  # writer backoff is ≤ 5 s
+        assert w.written == 25 and w.dropped == 10
         assert (await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
     engine = make_engine(url)
     try:

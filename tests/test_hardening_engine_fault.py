@@ -15,6 +15,7 @@ import pytest
 from runtime.async_engine import AsyncEngine
 from runtime.config import EngineConfig
 from runtime.interface import Failed, Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
+from tests.polling import async_wait_until
 
 pytestmark = pytest.mark.model
 
@@ -83,10 +84,7 @@ async def test_async_engine_step_fault_fails_only_that_step_and_keeps_serving(ta
         # two running (batch = 2 slots) + one queued
         tasks = {rid: asyncio.create_task(run(engine, req(rid, tokenizer, n), deltas))
                  for rid, n in (("r1", 60), ("r2", 60), ("r3", 8))}
-        for _ in range(600):
-            if deltas.get("r1", 0) >= 3 and deltas.get("r2", 0) >= 3:
-                break
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: deltas.get("r1", 0) >= 3 and deltas.get("r2", 0) >= 3, "3 tokens of r1 and r2")
         assert engine.engine.num_waiting == 1 and engine.engine.num_running == 2
         model.arm(0)  # the next decode forward (r1 + r2) raises
         res = {rid: await asyncio.wait_for(t, 120) for rid, t in tasks.items()}

@@ -23,6 +23,7 @@ import pytest
 from gateway.crud.keys import issue_key
 from tests.conftest import ROOT
 from tests.gateway_fixtures import sqlite_url
+from tests.polling import wait_until
 
 SERVE = """
 import sys
@@ -63,7 +64,7 @@ def start(tmp_path, db, port, grace_s, token_delay_s):
 def stream(base, key, max_tokens, out: dict, name: str):
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
-    lines = []
+    lines = out[name] = []  # filled as the stream arrives
     try:
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {key}"}) as r:
@@ -73,7 +74,17 @@ def stream(base, key, max_tokens, out: dict, name: str):
                     lines.append(line)
     except httpx.HTTPError as exc:
         out[name + ":error"] = repr(exc)
-    out[name] = lines
+
+
+def refuses_connections(base: str) -> bool:
+    """True once a new connection is refused (a connection cut while the server closes: not yet)."""
+    try:
+        httpx.get(base + "/healthz", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.TransportError:
+        pass
+    return False
 
 
 def rows(db) -> list[tuple]:
@@ -95,13 +106,12 @@ def test_sigterm_drains_streams_flushes_records_exits_0(tmp_path, migrated_templ
         threads = [threading.Thread(target=stream, args=(base, key, n, out, name)) for name, n in n_tokens.items()]
         for t in threads:
             t.start()
-        time.sleep(0.6)  # all streams are running
+        wait_until(lambda: all(out.get(n) for n in n_tokens), "a first event on every stream")  # all running
         assert all(out.get(f"{n}:status") == 200 for n in n_tokens), out
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.4)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
-            httpx.get(base + "/healthz", timeout=2)
+        wait_until(lambda: refuses_connections(base), "new connections refused")
+        assert proc.poll() is None and any(t.is_alive() for t in threads)  # ...while it still serves the streams
         rc = proc.wait(timeout=grace + 20)
         took = time.monotonic() - t_term
         for t in threads:

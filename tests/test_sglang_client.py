@@ -315,8 +315,11 @@ async def test_dropped_stream_is_failed_and_aborted(servers):
 
 
 async def test_timeout_is_failed_and_aborted(servers):
+    """A 0.5 s limit on a stream that would take 20 s (100 tokens × 0.2 s): cut at the
+    limit, never before it; the upper bound only has to tell the cut from the stream's end."""
     srv = servers[0]
     srv.standin.step_delay_s = 0.2
+    srv.standin.script = tuple(f" w{i}" for i in range(100))
     backend = await _backend([srv.url])
     req = _req(rid="chatcmpl-slow")
     req.timeout_s = 0.5
@@ -327,7 +330,7 @@ async def test_timeout_is_failed_and_aborted(servers):
     finally:
         await backend.stop()
     assert isinstance(events[-1], Failed) and events[-1].code == "timeout"
-    assert 0.45 < elapsed < 1.5
+    assert events[-1].completion_tokens < 100 and 0.45 < elapsed < 15
     assert srv.standin.aborts == ["chatcmpl-slow"]
 
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from runtime.sglang.router import NoHealthyUpstream, UpstreamRouter
+from tests.polling import async_wait_until
 from tests.sglang_standin import StandinServer, closed_port_url
 
 
@@ -71,10 +72,7 @@ async def test_probes_mark_out_and_back_in_and_read_loads():
             assert "HTTP 503" in up.last_error
             srv.standin.healthy = True
             task = asyncio.create_task(r.run(client, 0.02))  # the periodic loop restores it
-            for _ in range(200):
-                if up.healthy:
-                    break
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: up.healthy, "the periodic check restored the upstream")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             assert up.healthy and srv.standin.health_checks >= 3

@@ -17,6 +17,7 @@ from runtime.dspark.sps import SpsTable
 from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat
+from tests.polling import async_wait_until
 from tests.tenancy_fixtures import ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, running_app
 
 
@@ -27,37 +28,41 @@ async def rows(app, **filters) -> list[RequestRecord]:
 
 
 async def test_fifty_simultaneous_requests_never_more_than_five_in_the_engine(tenancy_db):
-    backend = CountingBackend(token_delay_s=0.01)
+    backend = CountingBackend(token_delay_s=0.02)
     async with running_app(tenancy_db, backend) as (app, client):
         await admin_setup(client, {"five": {"max_concurrent": 5, "max_queue_wait_s": 60}}, {"acme": "five"})
         key = await new_key(client, "acme", "alice")
+        # one request first: the key and its policy are cached, so an admission that finds a
+        # free slot does no I/O at all (its wait cannot grow with the machine's load)
+        assert (await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
         t0 = time.monotonic()
         rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(stream=i % 2 == 0),
                                                 headers=bearer(key)) for i in range(50)))
         elapsed = time.monotonic() - t0
         assert [r.status_code for r in rs] == [200] * 50
         assert backend.peak == 5  # the limit was reached and never exceeded
-        assert len(backend.completed) == 50
-        # 7 tokens × 10 ms per request, 10 waves of 5 → at least ~0.6 s: requests really queued
-        assert elapsed > 0.5
+        assert len(backend.completed) == 51
+        # 7 tokens × 20 ms per request, 10 waves of 5 → at least 1.4 s: requests really queued
+        assert elapsed > 1.0
         recs = await rows(app, tenant="acme")
-        assert len(recs) == 50 and {r.status for r in recs} == {"finished"}
+        assert len(recs) == 51 and {r.status for r in recs} == {"finished"}
         waits = sorted(r.admission_wait_s for r in recs)
-        assert waits[0] < 0.2 and waits[-1] > 0.4  # the first wave went straight in, the last waited
+        assert waits[4] < 0.2 and waits[-1] > 0.8  # the first wave went straight in, the last waited
         assert app.state.admission.tenant_active["acme"] == 0
 
 
 async def test_queue_timeout_is_a_429_with_retry_after_and_a_rejected_record(sqlite_db):
-    backend = FakeBackend(token_delay_s=0.1)  # a 7-token request takes ~0.7 s
+    backend = FakeBackend(gate=asyncio.Event())  # the first request holds the slot until the gate opens
     async with running_app(sqlite_db, backend) as (app, client):
         await admin_setup(client, {"one": {"max_concurrent": 1, "max_queue_wait_s": 0.2}}, {"solo": "one"})
         key = await new_key(client, "solo")
         slow = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(key)))
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: app.state.admission.tenant_active["solo"] == 1, "the first request admitted")
         t0 = time.monotonic()
         r = await client.post("/v1/chat/completions", json=chat(stream=True), headers=bearer(key))
         waited = time.monotonic() - t0
-        assert r.status_code == 429 and 0.2 <= waited < 0.6
+        assert r.status_code == 429 and waited >= 0.2 and not slow.done()  # gave up while the slot was held
+        backend.gate.set()
         err = r.json()["error"]
         assert err["type"] == "requests" and err["code"] == "concurrency_limit_exceeded"
         assert "max_concurrent" in err["message"] and "'solo'" in err["message"]
@@ -95,44 +100,60 @@ def sla_app_setup(app, per_request_tps):
 
 
 async def test_sla_admission_holds_lower_priority_until_the_gold_request_ends(sqlite_db):
-    backend = FakeBackend(token_delay_s=0.05)  # gold request: 7 tokens ≈ 0.35 s
+    backend = FakeBackend(gate=asyncio.Event())  # gold holds its slot until the test opens the gate
     async with running_app(sqlite_db, backend) as (app, client):
         await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
-                                   "bronze": {"priority": 0, "max_queue_wait_s": 5}},
+                                   "bronze": {"priority": 0, "max_queue_wait_s": 30}},
                           {"acme": "gold", "initech": "bronze"})
         gold, bronze = await new_key(client, "acme", "g"), await new_key(client, "initech", "b")
         sla_app_setup(app, lambda n: 30.0 / n)  # 1 request: 30 tok/s; 2 requests: 15 < 20
+        ctl, orig, finished_before = app.state.admission, backend.generate, []
+
+        def spy(req):  # how many generations had finished when this one started
+            finished_before.append(len(backend.completed))
+            return orig(req)
+
+        backend.generate = spy
         g = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(gold)))
-        await asyncio.sleep(0.05)
-        t0 = time.monotonic()
-        b = await client.post("/v1/chat/completions", json=chat(), headers=bearer(bronze))
-        assert b.status_code == 200 and (await g).status_code == 200
-        assert time.monotonic() - t0 > 0.25  # bronze waited for gold to finish
+        await async_wait_until(lambda: ctl.active, "gold admitted")
+        assert not ctl._waiters  # gold went straight in
+        b = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(bronze)))
+        await async_wait_until(lambda: ctl._waiters, "bronze queued")
+        t_queued = time.monotonic()
+        assert (ctl._waiters[0].tenant, ctl._waiters[0].blocked, ctl._waiters[0].predicted) == ("initech", "sla", 15.0)
+        assert not b.done() and finished_before == [0]
+        held = time.monotonic() - t_queued
+        backend.gate.set()  # gold runs to its end; its release admits bronze
+        assert (await b).status_code == 200 and (await g).status_code == 200
+        assert finished_before == [0, 1]  # bronze started only after gold had finished
         assert backend.requests[0].sla_target_tokens_per_s == 20 and backend.requests[0].priority == 10
         assert backend.requests[1].sla_target_tokens_per_s is None and backend.requests[1].priority == 0
         recs = {r.tier: r for r in await rows(app)}
-        assert recs["bronze"].admission_wait_s > 0.25 and recs["gold"].admission_wait_s < 0.05
+        assert recs["bronze"].admission_wait_s >= held  # its record counts the time it was held
         assert recs["gold"].predicted_tokens_per_s == 30.0 and recs["bronze"].predicted_tokens_per_s == 30.0
 
 
 async def test_sla_admission_times_out_with_a_clear_429_and_never_blocks_higher_tiers(sqlite_db):
-    backend = FakeBackend(token_delay_s=0.1)
+    backend = FakeBackend(gate=asyncio.Event())  # the golds hold their slots until the gate opens
     async with running_app(sqlite_db, backend) as (app, client):
         await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
                                    "bronze": {"priority": 0, "max_queue_wait_s": 0.2}},
                           {"acme": "gold", "initech": "bronze"})
         gold, bronze = await new_key(client, "acme"), await new_key(client, "initech")
         sla_app_setup(app, lambda n: 30.0 / n)
+        ctl = app.state.admission
         g1 = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(gold)))
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: ctl.active, "the first gold request admitted")
         b = await client.post("/v1/chat/completions", json=chat(), headers=bearer(bronze))
         assert b.status_code == 429
         err = b.json()["error"]
         assert err["code"] == "sla_capacity_exceeded" and err["type"] == "requests"
         assert "predicted 15.0 tok/s" in err["message"] and "tier 'bronze'" in err["message"]
-        g2 = await client.post("/v1/chat/completions", json=chat(), headers=bearer(gold))  # same priority: admitted
-        assert g2.status_code == 200 and (await g1).status_code == 200
-        assert app.state.admission.rejections["sla_capacity_exceeded"] == 1
+        g2 = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(gold)))
+        await async_wait_until(lambda: len(ctl.active) == 2, "the second gold request admitted beside the first")
+        backend.gate.set()
+        assert (await g2).status_code == 200 and (await g1).status_code == 200
+        assert ctl.rejections["sla_capacity_exceeded"] == 1
 
 
 async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
@@ -140,7 +161,7 @@ async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
     while gold runs: bronze₁, silver, bronze₂. Silver goes first (priority), then bronze
     in arrival order (its tenant runs one at a time); a request admitted in the same pass
     counts for the next check, so bronze never overlaps silver."""
-    backend = FakeBackend(token_delay_s=0.05)
+    backend = FakeBackend(gate=asyncio.Event())  # gold holds its slot until all three are queued
     async with running_app(sqlite_db, backend) as (app, client):
         await admin_setup(client, {"gold": {"min_tokens_per_s": 20, "priority": 10},
                                    "silver": {"min_tokens_per_s": 20, "priority": 5, "max_queue_wait_s": 10},
@@ -159,14 +180,13 @@ async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
 
         backend.generate = spy
         gold = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys["g"])))
-        while not ctl.active:
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: ctl.active, "gold admitted")
         queued = []
         for i, t in enumerate(("b", "s", "b")):
             queued.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(keys[t]))))
-            while len(ctl._waiters) < i + 1:  # queued in this order
-                await asyncio.sleep(0.005)
+            await async_wait_until(lambda: len(ctl._waiters) == i + 1, f"waiter {i + 1} queued")  # in this order
         assert not gold.done() and [w.tenant for w in ctl._waiters] == ["s", "b", "b"]
+        backend.gate.set()
         assert (await gold).status_code == 200
         assert all(r.status_code == 200 for r in await asyncio.gather(*queued))
         assert order == ["g", "s", "b", "b"] and overlap == [0, 0, 0, 0]  # one at a time
@@ -187,19 +207,24 @@ async def test_client_leaving_while_queued_is_reported_cancelled_once():
 
     ctl.policies.get = get_policy
 
+    left = asyncio.Event()
+
     class LeavingRequest:
         async def receive(self):
-            await asyncio.sleep(0.1)
+            await left.wait()
             return {"type": "http.disconnect"}
 
     from gateway.core.security import Principal
 
     rec = Recorder()
     ctx = RequestContext("r1", "chat", "m", False, prompt_tokens=3, max_tokens=5, tenant="t")
+    admit = asyncio.create_task(ctl.admit(LeavingRequest(), Principal(tenant="t", key_id=1), ctx, [rec, ctl]))
+    await async_wait_until(lambda: ctl._waiters, "the request queued")
     t0 = time.monotonic()
+    left.set()  # the client goes away
     with pytest.raises(ClientDisconnected):
-        await ctl.admit(LeavingRequest(), Principal(tenant="t", key_id=1), ctx, [rec, ctl])
-    assert time.monotonic() - t0 < 1.0
+        await admit
+    assert time.monotonic() - t0 < 10.0  # at once, not after max_queue_wait_s (30 s)
     assert [o.status for o in rec.outcomes] == ["cancelled"] and ctl._waiters == []
     assert ctl.tenant_active["t"] == 1 and ctl.active == {}
 

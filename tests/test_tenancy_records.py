@@ -17,6 +17,7 @@ from gateway.observe import FINISHED, RequestContext, RequestOutcome
 from gateway.records import RecordWriter, record_row
 from runtime.interface import RequestTimings, SpecStats
 from tests.gateway_fixtures import chat
+from tests.polling import async_wait_until
 from tests.tenancy_fixtures import CountingBackend, bearer, new_key, running_app
 
 
@@ -97,16 +98,13 @@ async def test_database_down_buffers_to_a_bound_counts_overflow_and_drains(tenan
     caplog.set_level(logging.WARNING, "gateway.records")
     for i in range(8):
         w.request_ended(outcome(i))  # returns at once although the database is down
-    await asyncio.sleep(0.3)
-    assert (w.buffered, w.dropped, w.written) == (5, 3, 0) and w.write_errors >= 1 and w.last_error
+    await async_wait_until(lambda: w.write_errors >= 1, "a failed record write")
+    assert (w.buffered, w.dropped, w.written) == (5, 3, 0) and w.last_error
     full = [r.getMessage() for r in caplog.records if "buffer full" in r.getMessage()]
     assert len(full) == 1 and "(5 rows" in full[0] and "1 records dropped so far" in full[0]  # logged once
     assert any("request-record write failed" in r.getMessage() for r in caplog.records)
     w.sessionmaker = good  # the database is back
-    for _ in range(100):
-        if w.buffered == 0:
-            break
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: w.buffered == 0, "the buffer drained")
     await w.stop()
     assert (w.buffered, w.written, w.dropped) == (0, 5, 3)
     async with good() as s:
@@ -186,13 +184,10 @@ async def test_serving_continues_on_cached_keys_while_the_database_is_down(sqlit
             assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "100"
         unknown = await client.post("/v1/chat/completions", json=chat(), headers=bearer("sk-sg-never-seen"))
         assert unknown.status_code == 503 and unknown.json()["error"]["code"] == "auth_unavailable"
-        await asyncio.sleep(0.2)
-        assert app.state.records.buffered == 2 and app.state.records.write_errors >= 1
+        await async_wait_until(lambda: app.state.records.write_errors >= 1, "a failed record write")
+        assert app.state.records.buffered == 2
         app.state.sessionmaker = app.state.admission.policies.sessionmaker = app.state.records.sessionmaker = good
-        for _ in range(100):
-            if app.state.records.buffered == 0:
-                break
-            await asyncio.sleep(0.05)
+        await async_wait_until(lambda: app.state.records.buffered == 0, "the buffer drained")
         async with good() as s:
             assert await crud_records.count_records(s, "acme") == 3
 

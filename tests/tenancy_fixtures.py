@@ -151,3 +151,34 @@ async def new_key(client: httpx.AsyncClient, tenant: str, user: str | None = Non
     r = await client.post("/admin/v1/keys", json={"tenant": tenant, "user": user, **fields}, headers=ADMIN_HEADERS)
     assert r.status_code == 201, r.text
     return r.json()["key"]
+
+
+# ------------------------------------------------------------- admission in isolation
+class LeavingClient:
+    """The ``receive`` side of an ASGI request whose client disconnects once :meth:`leave` is called."""
+
+    def __init__(self):
+        self.left = asyncio.Event()
+
+    def leave(self) -> None:
+        self.left.set()
+
+    async def receive(self) -> dict:
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+
+def controller_with_a_full_tenant(tier, limiter=None, tenant: str = "t"):
+    """An :class:`~gateway.admission.AdmissionController` (FakeBackend, no database) whose
+    ``tenant`` already holds its only slot, every policy lookup answering ``tier``: the next
+    request of that tenant queues."""
+    from gateway.admission import AdmissionController, Policy
+
+    ctl = AdmissionController(FakeBackend(), sessionmaker=None, limiter=limiter)
+    ctl.tenant_active[tenant] = 1
+
+    async def get_policy(tenant, key_id):
+        return Policy(tier, None)
+
+    ctl.policies.get = get_policy
+    return ctl

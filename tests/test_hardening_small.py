@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.admission import AdmissionController, Policy, TierPolicy
+from gateway.admission import TierPolicy
 from gateway.core.security import Principal
 from gateway.crud import records as crud_records
 from gateway.generation import ClientDisconnected
@@ -24,7 +23,9 @@ from gateway.ratelimit import REQUESTS, TOKENS, Limit, LocalBucketStore, RateLim
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat
 from tests.hardening_util import assert_openai_error_shape
-from tests.tenancy_fixtures import ADMIN, admin_setup, bearer, new_key, running_app
+from tests.polling import async_wait_until
+from tests.tenancy_fixtures import (ADMIN, LeavingClient, admin_setup, bearer, controller_with_a_full_tenant, new_key,
+                                    running_app)
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -54,29 +55,6 @@ async def assert_remaining(lim: RateLimiter, limit: Limit, expected: float, t0: 
     got = (await lim._apply(limit, 0, "peek")).remaining
     refill = limit.per_minute / 60 * (time.monotonic() - t0) if isinstance(lim.store, RedisBucketStore) else 0.0
     assert expected - 1e-6 <= got <= min(limit.per_minute, expected + refill) + 1e-6, (limit, got, expected)
-
-
-async def wait_until(cond, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-@dataclass
-class GatedBackend(FakeBackend):
-    """FakeBackend whose generations wait for ``gate`` before their first event."""
-
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def _run(self, req):
-        await self.gate.wait()
-        inner = super()._run(req)
-        try:
-            async for event in inner:
-                yield event
-        finally:
-            await inner.aclose()
 
 
 # ---------------------------------------------------------------- rpm and refusals
@@ -111,13 +89,13 @@ async def test_requests_refused_by_the_concurrency_queue_do_not_spend_the_rpm(sq
     refused by the concurrency queue (429 concurrency_limit_exceeded, not
     rate_limit_exceeded, with the bucket's state after the refund in the headers); the rpm
     then still admits exactly one more request (2 served in all) and refuses the next."""
-    backend = GatedBackend()
+    backend = FakeBackend(gate=asyncio.Event())
     async with running_app(sqlite_db, backend) as (app, client):
         app.state.admission.limiter = limiter
         await admin_setup(client, {"one": {"max_concurrent": 1, "rpm": 2, "max_queue_wait_s": 0}}, {"acme": "one"})
         key = await new_key(client, "acme", "alice")
         first = asyncio.create_task(client.post("/v1/chat/completions", json=chat(), headers=bearer(key)))
-        await wait_until(lambda: len(backend.requests) == 1, "the first request to reach the engine")
+        await async_wait_until(lambda: len(backend.requests) == 1, "the first request to reach the engine")
         refused = [await client.post("/v1/chat/completions", json=chat(stream=i == 1), headers=bearer(key))
                    for i in range(3)]
         assert [r.status_code for r in refused] == [429] * 3
@@ -143,7 +121,7 @@ async def test_requests_refused_by_the_engine_queue_do_not_spend_the_rpm(sqlite_
 
         async def post():  # the refund runs in a task when the engine refuses: let it land
             r = await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
-            await wait_until(lambda: not app.state.admission._pending, "the bucket refunds")
+            await async_wait_until(lambda: not app.state.admission._pending, "the bucket refunds")
             return r
 
         refused = [await post() for _ in range(3)]
@@ -157,28 +135,15 @@ async def test_requests_refused_by_the_engine_queue_do_not_spend_the_rpm(sqlite_
 
 
 async def test_a_client_leaving_the_queue_gets_its_request_back(limiter):
-    backend = FakeBackend()
-    ctl = AdmissionController(backend, sessionmaker=None, limiter=limiter)
-    ctl.tenant_active["t"] = 1  # the tenant's only slot is taken
     tier = TierPolicy("one", max_concurrent=1, rpm=1, max_queue_wait_s=60)
-
-    async def get_policy(tenant, key_id):
-        return Policy(tier, None)
-
-    ctl.policies.get = get_policy
-    left = asyncio.Event()
-
-    class LeavingRequest:
-        async def receive(self):
-            await left.wait()
-            return {"type": "http.disconnect"}
-
+    ctl = controller_with_a_full_tenant(tier, limiter)
+    client = LeavingClient()
     ctx = RequestContext("r1", "chat", "m", False, prompt_tokens=3, max_tokens=5, tenant="t")
     t0 = time.monotonic()
-    admitting = asyncio.create_task(ctl.admit(LeavingRequest(), Principal(tenant="t", key_id=1), ctx, [ctl]))
-    await wait_until(lambda: len(ctl._waiters) == 1, "the request to queue")
+    admitting = asyncio.create_task(ctl.admit(client, Principal(tenant="t", key_id=1), ctx, [ctl]))
+    await async_wait_until(lambda: len(ctl._waiters) == 1, "the request to queue")
     await assert_remaining(limiter, Limit("tenant:t", REQUESTS, 1), 0, t0)  # held while queued
-    left.set()
+    client.leave()
     with pytest.raises(ClientDisconnected):
         await admitting
     await assert_remaining(limiter, Limit("tenant:t", REQUESTS, 1), 1, t0)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.admission import AdmissionController, SpeedModel, TierPolicy
+from gateway.admission import SpeedModel, TierPolicy
 from gateway.crud import records as crud_records
 from gateway.db.models import RequestRecord
 from gateway.generation import ClientDisconnected
@@ -18,7 +18,8 @@ from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat
 from tests.polling import async_wait_until
-from tests.tenancy_fixtures import ADMIN_HEADERS, CountingBackend, admin_setup, bearer, new_key, running_app
+from tests.tenancy_fixtures import (ADMIN_HEADERS, CountingBackend, LeavingClient, admin_setup, bearer,
+                                    controller_with_a_full_tenant, new_key, running_app)
 
 
 async def rows(app, **filters) -> list[RequestRecord]:
@@ -195,33 +196,16 @@ async def test_waiters_are_served_by_priority_then_arrival(sqlite_db):
 async def test_client_leaving_while_queued_is_reported_cancelled_once():
     from tests.test_gateway_observe import Recorder
 
-    backend = FakeBackend()
-    ctl = AdmissionController(backend, sessionmaker=None)
-    ctl.tenant_active["t"] = 1  # the tenant's only slot is taken
-    tier = TierPolicy("one", max_concurrent=1, max_queue_wait_s=30)
-
-    async def get_policy(tenant, key_id):
-        from gateway.admission import Policy
-
-        return Policy(tier, None)
-
-    ctl.policies.get = get_policy
-
-    left = asyncio.Event()
-
-    class LeavingRequest:
-        async def receive(self):
-            await left.wait()
-            return {"type": "http.disconnect"}
-
+    ctl = controller_with_a_full_tenant(TierPolicy("one", max_concurrent=1, max_queue_wait_s=30))
+    client = LeavingClient()
     from gateway.core.security import Principal
 
     rec = Recorder()
     ctx = RequestContext("r1", "chat", "m", False, prompt_tokens=3, max_tokens=5, tenant="t")
-    admit = asyncio.create_task(ctl.admit(LeavingRequest(), Principal(tenant="t", key_id=1), ctx, [rec, ctl]))
+    admit = asyncio.create_task(ctl.admit(client, Principal(tenant="t", key_id=1), ctx, [rec, ctl]))
     await async_wait_until(lambda: ctl._waiters, "the request queued")
     t0 = time.monotonic()
-    left.set()  # the client goes away
+    client.leave()
     with pytest.raises(ClientDisconnected):
         await admit
     assert time.monotonic() - t0 < 10.0  # at once, not after max_queue_wait_s (30 s)

@@ -144,6 +144,23 @@ def test_no_content_type_is_accepted(server):
     assert r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_admin_bodies_are_json_whatever_the_content_type(server, content_type):
+    """Like the chat route: ``curl -d '{...}'`` (form-urlencoded) works on the admin API
+    (docs/tenancy.md); a bad body is still 400 ``invalid_json`` and a tenant key still 403."""
+    base, _, _, _ = server
+    name = f"ct-{(content_type or 'none').split('/')[-1]}"
+    hdrs = {"Authorization": f"Bearer {ADMIN}", **({"content-type": content_type} if content_type else {})}
+    r = httpx.post(base + "/admin/v1/tiers", content=json.dumps({"name": name, "rpm": 7}).encode(), headers=hdrs)
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == name and r.json()["rpm"] == 7
+    r = httpx.post(base + "/admin/v1/tenants", content=b"name=x&tier=y", headers=hdrs)
+    assert r.status_code == 400 and assert_openai_error_shape(r)["code"] == "invalid_json", r.text
+    r = httpx.post(base + "/admin/v1/tenants", content=b'{"name": "x"}',
+                   headers={**hdrs, "Authorization": f"Bearer {fresh_key(server)}"})
+    assert r.status_code == 403, r.text
+
+
 def test_10mb_body_413_before_reading(server):
     base, _, backend, _ = server
     key = fresh_key(server)

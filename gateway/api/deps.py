@@ -158,6 +158,23 @@ def validate_body(model: type[M], data: dict) -> M:
         raise from_validation_error(exc) from None
 
 
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` declaring ``model`` as the JSON body of a route that reads its body
+    itself (:func:`chat_body`), so the OpenAPI schema — and the fuzzer reading it — see it.
+    Nested models are inlined (a ``#/$defs/...`` ref would not resolve inside a path)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 async def chat_body(request: Request, _: CurrentPrincipal) -> ChatCompletionRequest:
     """Parsed ``/v1/chat/completions`` body (auth runs first)."""
     return validate_body(ChatCompletionRequest, await read_json_object(request))

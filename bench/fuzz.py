@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 import sys
 import time
 import uuid
@@ -96,7 +95,7 @@ def error_shape_problem(r: httpx.Response) -> str | None:
     except ValueError:
         return "not JSON"
     err = body.get("error") if isinstance(body, dict) else None
-    if set(body) != {"error"} or not isinstance(err, dict) or set(err) != {"message", "type", "param", "code"}:
+    if not isinstance(err, dict) or set(body) != {"error"} or set(err) != {"message", "type", "param", "code"}:
         return f"shape {json.dumps(body)[:200]}"
     if not (isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)):
         return f"message/type {err}"
@@ -161,7 +160,6 @@ class Fuzzer:
         self.admin = {"Authorization": f"Bearer {admin_token}"}
         self.res = FuzzResult(examples, seed)
         self.max_tokens, self.record_deadline_s = max_tokens, record_deadline_s
-        self.rng = random.Random(seed)
         self.phase = "setup"
         self.key = ""
         self.model = ""
@@ -182,15 +180,16 @@ class Fuzzer:
         admin = path.startswith("/admin/") or path == "/metrics"
         return self.admin if admin else {"Authorization": f"Bearer {self.key}"}
 
-    def send(self, method: str, url: str, path: str, *, params=None, body=None, hostile: str | None = None
-             ) -> int | None:
-        """One request, checked; the status (None on a transport error). ``hostile``: where
-        a hostile string was put (for the samples)."""
+    def send(self, method: str, url: str, path: str, *, params=None, body=None, content: bytes | None = None,
+             hostile: str | None = None) -> int | None:
+        """One request (``body`` as JSON, else ``content`` as is), checked; the status (None
+        on a transport error). ``hostile``: where a hostile string was put (for the samples)."""
         res = self.res
         res.requests += 1
         res.hostile_requests += hostile is not None
         res.by_phase[self.phase] = res.by_phase.get(self.phase, 0) + 1
-        content = None if body is None else json.dumps(body).encode()  # surrogates/NUL as \\u escapes
+        if body is not None:
+            content = json.dumps(body).encode()  # surrogates and NUL as \\u escapes
         sent = (f"{method} {url}{f' [hostile: {hostile}]' if hostile else ''} params={params} "
                 f"body={content[:300] if content else None}")
         for attempt in (1, 2):  # a server closes a kept-alive connection after a 500: one retry on a new one
@@ -267,8 +266,9 @@ class Fuzzer:
         @seed(self.res.seed)
         def run(case, data):
             kw = case.as_transport_kwargs(base_url=self.base)
-            body, hostile = self.shape(op, kw["json"], data.draw, positive) if "json" in kw else (_raw_body(kw), None)
-            status = self.send(kw["method"], kw["url"], op.path, params=kw.get("params"), body=body, hostile=hostile)
+            body, hostile = self.shape(op, kw["json"], data.draw, positive) if "json" in kw else (None, None)
+            status = self.send(kw["method"], kw["url"], op.path, params=kw.get("params"), body=body,
+                               content=_raw_body(kw), hostile=hostile)
             key = (op.method.upper(), op.path)
             if positive and hostile is None and status is not None and status < 500:
                 best = self.baselines.get(key)
@@ -390,11 +390,10 @@ def _where(at: tuple) -> str:
     return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in at)
 
 
-def _raw_body(kw: dict):
+def _raw_body(kw: dict) -> bytes | None:
+    """A non-JSON body schemathesis serialised (none of this app's operations has one yet)."""
     data = kw.get("data") if kw.get("data") is not None else kw.get("content")
-    if data is None:
-        return None
-    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    return data.encode() if isinstance(data, str) else data
 
 
 def _sample(samples: list, text: str) -> None:

@@ -1,8 +1,8 @@
 """The fenced code blocks of the Markdown docs (``docs/*.md``, ``README.md``), for
 ``tests/test_docs_commands.py``.
 
-A block whose info string is a shell (``bash``, ``sh``, ``shell``, ``console``, ``zsh``) is
-run by the test unless the nearest non-blank line before its fence is a marker
+A block whose info string is a shell (``bash``, ``sh``, ``shell``, ``console``, ``zsh``) or
+``python`` is run by the test unless the nearest non-blank line before its fence is a marker
 
     <!-- docs-test: skip — why it cannot run in a test (a few words) -->
 
@@ -53,6 +53,11 @@ class Block:
     def shell(self) -> bool:
         return self.info in SHELLS
 
+    @property
+    def runs(self) -> bool:
+        """Run by the test unless marked skipped."""
+        return self.shell or self.info == "python"
+
 
 def blocks(path: Path) -> list[Block]:
     """The fenced blocks of one Markdown file, in order (an unclosed fence ends the file)."""
@@ -69,7 +74,7 @@ def blocks(path: Path) -> list[Block]:
             j += 1
         before = next((ln for ln in reversed(lines[:i]) if ln.strip()), "")
         marker = SKIP.search(before)
-        text = "\n".join(ln[indent:] if ln[:indent].isspace() else ln.lstrip() for ln in lines[i + 1:j])
+        text = "\n".join(ln[indent:] if not ln[:indent].strip() else ln.lstrip() for ln in lines[i + 1:j])
         out.append(Block(path, i + 1, m["info"].lower(), text, marker["why"] if marker else None))
         i = j + 1
     return out
@@ -80,9 +85,9 @@ def all_blocks() -> list[Block]:
 
 
 def stray_markers(path: Path) -> list[int]:
-    """Lines of skip markers that are not right before a shell block (stale markers)."""
+    """Lines of skip markers that are not right before a shell or python block (stale markers)."""
     lines = path.read_text(encoding="utf-8").splitlines()
-    marked = {b.line for b in blocks(path) if b.shell and b.skip}
+    marked = {b.line for b in blocks(path) if b.runs and b.skip}
     out = []
     for n, ln in enumerate(lines, 1):
         if SKIP.search(ln):

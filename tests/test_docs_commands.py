@@ -1,5 +1,5 @@
-"""Docs that run: every fenced shell block in ``docs/*.md`` and ``README.md`` is executed
-against the session's ``live_server`` (real model, uvicorn), or is marked
+"""Docs that run: every fenced shell (and python) block in ``docs/*.md`` and ``README.md`` is
+executed against the session's ``live_server`` (real model, uvicorn), or is marked
 ``<!-- docs-test: skip — why -->`` right before its fence (``tests/docs_blocks.py``).
 
 What a block runs with — the only substitutions, each a placeholder the docs write:
@@ -12,10 +12,10 @@ What a block runs with — the only substitutions, each a placeholder the docs w
   examples (``sparkgate tiers create gold …``) start from nothing like a new install;
 * ``sparkgate`` → this checkout's CLI (the interpreter's bin directory first on ``PATH``).
 
-Each block runs in ``bash`` with ``set -euo pipefail`` in a temporary directory, bounded by
-:data:`BLOCK_TIMEOUT_S`; ``curl`` is run as ``curl --fail-with-body -sS``, so any answer
-other than 2xx fails the block, and no output may carry an OpenAI ``{"error": …}`` object.
-A block may only use :data:`RUNNABLE` programs: anything else (``make``, ``docker``,
+A shell block runs in ``bash`` with ``set -euo pipefail``, a python block in this
+interpreter, each in a temporary directory and bounded by :data:`BLOCK_TIMEOUT_S`; ``curl``
+is run as ``curl --fail-with-body -sS``, so any answer other than 2xx fails the block, and
+no output may carry an OpenAI ``{"error": …}`` object. A shell block may only use :data:`RUNNABLE` programs: anything else (``make``, ``docker``,
 ``pip``, training runs, benches) must be marked skipped, so a new doc can neither rot
 silently nor make this test start a long job. The flags of the project's own CLIs in
 skipped blocks are checked by parsing them (``dry_parse``: argparse only, nothing runs).
@@ -44,8 +44,8 @@ curl() { command curl --fail-with-body --silent --show-error --max-time 60 "$@";
 """
 
 BLOCKS = all_blocks()
-RUN = [b for b in BLOCKS if b.shell and b.skip is None]
-SKIPPED = [b for b in BLOCKS if b.shell and b.skip is not None]
+RUN = [b for b in BLOCKS if b.runs and b.skip is None]
+SKIPPED = [b for b in BLOCKS if b.runs and b.skip is not None]
 
 
 def test_docs_have_runnable_blocks_and_every_block_says_what_it_is():
@@ -55,10 +55,10 @@ def test_docs_have_runnable_blocks_and_every_block_says_what_it_is():
     bare = [b.where for b in BLOCKS if not b.info]
     assert not bare, f"give these fenced blocks an info string (bash to run them, text otherwise): {bare}"
     stray = [f"{p.relative_to(ROOT)}:{n}" for p in DOCS for n in stray_markers(p)]
-    assert not stray, f"docs-test markers not right before a shell block: {stray}"
+    assert not stray, f"docs-test markers not right before a shell or python block: {stray}"
 
 
-@pytest.mark.parametrize("block", RUN, ids=[b.where for b in RUN])
+@pytest.mark.parametrize("block", [b for b in RUN if b.shell], ids=[b.where for b in RUN if b.shell])
 def test_every_unmarked_shell_block_uses_only_runnable_programs(block):
     progs = sorted({Path(argv[0]).name for argv in commands(block.text)} - RUNNABLE)
     assert not progs, (f"{block.where} runs {progs}, which this test does not run: mark the block "
@@ -67,7 +67,7 @@ def test_every_unmarked_shell_block_uses_only_runnable_programs(block):
 
 @pytest.mark.model
 @pytest.mark.parametrize("block", RUN, ids=[b.where for b in RUN])
-def test_shell_block_runs_against_the_live_server(block, live_server, tmp_path):
+def test_block_runs_against_the_live_server(block, live_server, tmp_path):
     key = asyncio.run(issue_key(live_server.database_url, "docs-tenant", user_label="docs"))
     cli_db = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
     upgrade(cli_db)
@@ -75,7 +75,8 @@ def test_shell_block_runs_against_the_live_server(block, live_server, tmp_path):
     env = {**os.environ, "SPARKGATE_ADMIN_TOKEN": live_server.admin_token, "SPARKGATE_DATABASE_URL": cli_db,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(["bash", "-c", PREAMBLE + script], env=env, cwd=tmp_path, capture_output=True, text=True,
+    argv = ["bash", "-c", PREAMBLE + script] if block.shell else [sys.executable, "-c", script]
+    r = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=BLOCK_TIMEOUT_S)
     assert r.returncode == 0, f"{block.where} exited {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}"
     assert '{"error"' not in r.stdout.replace(" ", ""), f"{block.where}: {r.stdout[-1500:]}"

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, require_or_skip
 
 pytestmark = pytest.mark.model
 
@@ -39,6 +39,7 @@ def load_fuzz():
 @pytest.fixture(scope="module")
 def fuzzed():
     """``(FuzzResult, server log text)`` of one CI-sized run against a fresh real-model server."""
+    require_or_skip(importlib.util.find_spec("schemathesis") is not None, "schemathesis (pip install schemathesis)")
     fuzz = load_fuzz()
     proc, base, admin, log = fuzz.load_soak().start_server("float32", 4, {"SPARKGATE_MAX_CONTEXT": "512"})
     try:

@@ -425,7 +425,7 @@ def load_soak():
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=60, help="cases per operation and generation mode")
+    ap.add_argument("--examples", type=int, default=200, help="cases per operation and generation mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the chat/completions cases")
     ap.add_argument("--record-deadline", type=float, default=20.0, help="seconds for the health request's record")

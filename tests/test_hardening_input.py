@@ -282,3 +282,14 @@ def test_live_server_bad_input(live_server):
     r = httpx.post(url, json={**chat("Say hi"), "max_tokens": 10**9, "unknown_field": 1, "temperature": 0,
                               "stop": ["a", "b", "c", "d"]}, headers=hdrs, timeout=120)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_live_server_prompt_of_zero_tokens_400(live_server):
+    """The tokenizer drops ``"\x14"``: the engine refused the empty prompt and the client
+    got a 500 ``server_error`` (found by bench/fuzz.py's long profile)."""
+    r = httpx.post(live_server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "\x14", "max_tokens": 4},
+                   headers=live_server.headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = assert_openai_error_shape(r)
+    assert err["param"] == "prompt" and "0 tokens" in err["message"], err

@@ -293,3 +293,14 @@ def test_live_server_prompt_of_zero_tokens_400(live_server):
     assert r.status_code == 400, r.text
     err = assert_openai_error_shape(r)
     assert err["param"] == "prompt" and "0 tokens" in err["message"], err
+
+
+@pytest.mark.model
+def test_live_server_top_k_beyond_int64_is_served(live_server):
+    """``top_k`` is bounded only below; 2**70 failed the engine step (500 ``engine_error``
+    for every request in the batch) until the sampler clamped it (found by bench/fuzz.py)."""
+    r = httpx.post(live_server.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "top_k": 2**70},
+                   headers=live_server.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1

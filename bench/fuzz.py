@@ -27,13 +27,13 @@ Three phases, then one JSON object on stdout (exit status 1 when an invariant fa
 
 Invariants: no answer ≥ 500 and no SSE ``server_error`` event; every 4xx body is
 ``{"error": {"message", "type", "param", "code"}}``; the health request is recorded; with
-its own server, no traceback in the server log. Loopback only; bounded by ``--examples``.
+its own server, no traceback in the server log. Loopback only; bounded by ``--examples`` and
+``--random-budget`` (operations the random phase had no time for are listed, not hidden).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -71,6 +71,7 @@ class FuzzResult:
     transport_errors: int = 0
     transport_error_samples: list = field(default_factory=list)
     health: dict = field(default_factory=dict)
+    random_phase_skipped: list = field(default_factory=list)  # operations past the random phase's time budget
     duration_s: float = 0.0
     failures: list = field(default_factory=list)
 
@@ -153,13 +154,13 @@ class Fuzzer:
     """Sends cases and keeps the tally; see the module docstring for the phases."""
 
     def __init__(self, base: str, admin_token: str, examples: int, seed: int, max_tokens: int,
-                 record_deadline_s: float = 20.0):
+                 record_deadline_s: float = 20.0, random_budget_s: float | None = None):
         self.raw = openapi_schema()
         self.base = base
         self.http = httpx.Client(base_url=base, timeout=httpx.Timeout(120, connect=10))
         self.admin = {"Authorization": f"Bearer {admin_token}"}
         self.res = FuzzResult(examples, seed)
-        self.max_tokens, self.record_deadline_s = max_tokens, record_deadline_s
+        self.max_tokens, self.record_deadline_s, self.random_budget_s = max_tokens, record_deadline_s, random_budget_s
         self.phase = "setup"
         self.key = ""
         self.model = ""
@@ -360,6 +361,9 @@ class Fuzzer:
         res.operations = len(ops)
         self.phase = "random"
         for op in ops:
+            if self.random_budget_s is not None and time.monotonic() - t0 > self.random_budget_s:
+                res.random_phase_skipped.append(op.label)
+                continue
             for mode in ("positive", "negative"):
                 self.fuzz_operation(op, mode)
         self.phase = "sweep"
@@ -402,8 +406,8 @@ def _sample(samples: list, text: str) -> None:
 
 
 def run_fuzz(base: str, admin_token: str, examples: int = 8, seed: int = 0, max_tokens: int = 4,
-             record_deadline_s: float = 20.0) -> FuzzResult:
-    fz = Fuzzer(base, admin_token, examples, seed, max_tokens, record_deadline_s)
+             record_deadline_s: float = 20.0, random_budget_s: float | None = None) -> FuzzResult:
+    fz = Fuzzer(base, admin_token, examples, seed, max_tokens, record_deadline_s, random_budget_s)
     try:
         return fz.run()
     finally:
@@ -414,21 +418,22 @@ def server_log_tracebacks(log: Path) -> int:
     return log.read_text(errors="replace").count("Traceback")
 
 
-def load_soak():
-    """bench/soak.py (its ``start_server``) as a module, wherever this file is run from."""
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_soak"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def start_server(dtype: str, max_batch: int, env: dict) -> tuple:
+    """``bench/soak.py``'s real-model server (importable however this file was loaded)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from soak import start_server as start
+
+    return start(dtype, max_batch, env)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=200, help="cases per operation and generation mode")
+    ap.add_argument("--examples", type=int, default=500, help="cases per operation and generation mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the chat/completions cases")
     ap.add_argument("--record-deadline", type=float, default=20.0, help="seconds for the health request's record")
+    ap.add_argument("--random-budget", type=float, default=420.0,
+                    help="seconds for the random phase; operations not started by then are skipped (listed)")
     ap.add_argument("--url", help="an already running gateway (else one is started on the real model)")
     ap.add_argument("--admin-token")
     args = ap.parse_args(argv)
@@ -438,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         if not admin:
             ap.error("--admin-token is required with --url")
     else:
-        proc, base, admin, log = load_soak().start_server("float32", 4, {"SPARKGATE_MAX_CONTEXT": "512"})
+        proc, base, admin, log = start_server("float32", 4, {"SPARKGATE_MAX_CONTEXT": "512"})
     try:
-        res = run_fuzz(base, admin, args.examples, args.seed, args.max_tokens, args.record_deadline)
+        res = run_fuzz(base, admin, args.examples, args.seed, args.max_tokens, args.record_deadline,
+                       args.random_budget)
     finally:
         if proc is not None:
             proc.terminate()

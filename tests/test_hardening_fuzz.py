@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, require_or_skip
+from tests.conftest import require_or_skip
+from tests.hardening_util import load_bench
 
 pytestmark = pytest.mark.model
 
@@ -28,20 +28,12 @@ EXAMPLES = 8
 UNICODE_FIX_PENDING = pytest.mark.xfail(strict=True, reason="issue 25 item 1: Unicode validation + writer fix")
 
 
-def load_fuzz():
-    spec = importlib.util.spec_from_file_location("bench_fuzz", ROOT / "bench" / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_fuzz"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def fuzzed():
     """``(FuzzResult, server log text)`` of one CI-sized run against a fresh real-model server."""
     require_or_skip(importlib.util.find_spec("schemathesis") is not None, "schemathesis (pip install schemathesis)")
-    fuzz = load_fuzz()
-    proc, base, admin, log = fuzz.load_soak().start_server("float32", 4, {"SPARKGATE_MAX_CONTEXT": "512"})
+    fuzz = load_bench("fuzz")
+    proc, base, admin, log = fuzz.start_server("float32", 4, {"SPARKGATE_MAX_CONTEXT": "512"})
     try:
         res = fuzz.run_fuzz(base, admin, examples=EXAMPLES, seed=0, max_tokens=4)
     finally:
@@ -54,7 +46,7 @@ def fuzzed():
 
 def test_the_schema_declares_the_bodies_the_openai_routes_read():
     """Without a requestBody the fuzzer posts empty bodies to chat/completions (as before)."""
-    fuzz = load_fuzz()
+    fuzz = load_bench("fuzz")
     raw = fuzz.openapi_schema()
     body = raw["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert body["required"] and {"messages", "model", "max_tokens"} <= set(

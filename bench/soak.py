@@ -227,8 +227,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(dtype: str, max_batch: int) -> tuple[subprocess.Popen, str, str, Path]:
-    """The real gateway + engine under uvicorn in a subprocess (SQLite in a temp dir)."""
+def start_server(dtype: str, max_batch: int, env: dict | None = None) -> tuple[subprocess.Popen, str, str, Path]:
+    """The real gateway + engine under uvicorn in a subprocess (SQLite in a temp dir);
+    ``env``: more ``SPARKGATE_*`` settings."""
     sys.path.insert(0, str(ROOT))
     from gateway.db.migrate import upgrade
 
@@ -238,7 +239,8 @@ def start_server(dtype: str, max_batch: int) -> tuple[subprocess.Popen, str, str
     admin = "admin-" + os.urandom(16).hex()
     port = _free_port()
     env = {**os.environ, "SPARKGATE_DATABASE_URL": db, "SPARKGATE_ADMIN_TOKEN": admin, "SPARKGATE_DTYPE": dtype,
-           "SPARKGATE_MAX_BATCH_SIZE": str(max_batch), "SPARKGATE_SPEC_METHOD": "none", "PYTHONPATH": str(ROOT)}
+           "SPARKGATE_MAX_BATCH_SIZE": str(max_batch), "SPARKGATE_SPEC_METHOD": "none", "PYTHONPATH": str(ROOT),
+           **(env or {})}
     log = tmp / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "gateway.main:create_app", "--factory", "--host",
                              "127.0.0.1", "--port", str(port), "--log-level", "warning"],

@@ -143,7 +143,10 @@ def completion_prompt(body: CompletionRequest) -> str:
 def completion_budget(prompt_len: int, max_context: int, requested: int | None, param: str) -> int:
     """Completion tokens allowed: ``min(requested, max_context − prompt_len)``; all of the
     remaining context when ``requested`` is None. 400 ``context_length_exceeded``
-    (``param`` = where the prompt came from) when the prompt leaves no room."""
+    (``param`` = where the prompt came from) when the prompt leaves no room, 400
+    ``invalid_value`` when it has no token at all (e.g. ``"\x14"``, which the tokenizer drops)."""
+    if prompt_len == 0:
+        raise invalid_request(f"Your {param} resulted in 0 tokens; it needs at least one.", param, "invalid_value")
     if prompt_len >= max_context:
         raise invalid_request(
             f"This model's maximum context length is {max_context} tokens. However, your {param} "

@@ -48,6 +48,7 @@ from runtime.interface import SamplingParams
 NUCLEUS_CANDIDATES = (256, 4096)
 
 _SEED_MASK = (1 << 64) - 1
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -92,7 +93,8 @@ def params_to_tensors(
 
     Returns:
         ``(temperature [N] fp32, top_k [N] int64, top_p [N] fp32)``; ``top_k`` ≤ 0
-        is normalised to 0 (disabled).
+        is normalised to 0 (disabled), one beyond int64 to int64's max (≥ V: disabled
+        too), so a client's ``top_k: 2**70`` cannot fail the step of the whole batch.
 
     Raises:
         ValueError: negative temperature or ``top_p`` outside (0, 1].
@@ -104,7 +106,7 @@ def params_to_tensors(
         if not 0.0 < p.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
         temps.append(float(p.temperature))
-        ks.append(max(int(p.top_k), 0))
+        ks.append(min(max(int(p.top_k), 0), INT64_MAX))
         ps.append(float(p.top_p))
     return (
         torch.tensor(temps, dtype=torch.float32, device=device),

@@ -1,15 +1,21 @@
 """Helpers shared by ``tests/test_hardening_*.py``: a FakeBackend (or any app) under a
-real uvicorn server in a background thread on loopback, and the OpenAI error-shape check."""
+real uvicorn server in a background thread on loopback, the OpenAI error-shape check, and
+``load_bench`` for the bench scripts the tests run at CI size."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def assert_openai_error_shape(r) -> dict:
@@ -48,3 +54,12 @@ def serve_in_thread(app, **config):
         srv.should_exit = True
         thread.join(timeout=15)
         sock.close()
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` as the module ``bench_<name>`` (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod

@@ -144,6 +144,23 @@ def test_no_content_type_is_accepted(server):
     assert r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_admin_bodies_are_json_whatever_the_content_type(server, content_type):
+    """Like the chat route: ``curl -d '{...}'`` (form-urlencoded) works on the admin API
+    (docs/tenancy.md); a bad body is still 400 ``invalid_json`` and a tenant key still 403."""
+    base, _, _, _ = server
+    name = f"ct-{(content_type or 'none').split('/')[-1]}"
+    hdrs = {"Authorization": f"Bearer {ADMIN}", **({"content-type": content_type} if content_type else {})}
+    r = httpx.post(base + "/admin/v1/tiers", content=json.dumps({"name": name, "rpm": 7}).encode(), headers=hdrs)
+    assert r.status_code == 201, r.text
+    assert r.json()["name"] == name and r.json()["rpm"] == 7
+    r = httpx.post(base + "/admin/v1/tenants", content=b"name=x&tier=y", headers=hdrs)
+    assert r.status_code == 400 and assert_openai_error_shape(r)["code"] == "invalid_json", r.text
+    r = httpx.post(base + "/admin/v1/tenants", content=b'{"name": "x"}',
+                   headers={**hdrs, "Authorization": f"Bearer {fresh_key(server)}"})
+    assert r.status_code == 403, r.text
+
+
 def test_10mb_body_413_before_reading(server):
     base, _, backend, _ = server
     key = fresh_key(server)
@@ -265,3 +282,25 @@ def test_live_server_bad_input(live_server):
     r = httpx.post(url, json={**chat("Say hi"), "max_tokens": 10**9, "unknown_field": 1, "temperature": 0,
                               "stop": ["a", "b", "c", "d"]}, headers=hdrs, timeout=120)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.model
+def test_live_server_prompt_of_zero_tokens_400(live_server):
+    """The tokenizer drops ``"\x14"``: the engine refused the empty prompt and the client
+    got a 500 ``server_error`` (found by bench/fuzz.py's long profile)."""
+    r = httpx.post(live_server.base_url + "/v1/completions", json={"model": MODEL, "prompt": "\x14", "max_tokens": 4},
+                   headers=live_server.headers(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = assert_openai_error_shape(r)
+    assert err["param"] == "prompt" and "0 tokens" in err["message"], err
+
+
+@pytest.mark.model
+def test_live_server_top_k_beyond_int64_is_served(live_server):
+    """``top_k`` is bounded only below; 2**70 failed the engine step (500 ``engine_error``
+    for every request in the batch) until the sampler clamped it (found by bench/fuzz.py)."""
+    r = httpx.post(live_server.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "top_k": 2**70},
+                   headers=live_server.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1

@@ -6,26 +6,16 @@ bounded. The 64-client × 60 s run is ``python bench/soak.py`` (docs/reliability
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.hardening_util import load_bench
 
 pytestmark = pytest.mark.model
 
 
-def load_soak():
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_soak"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_soak_16_clients_15s(live_server):
-    soak = load_soak()
+    soak = load_bench("soak")
     res = asyncio.run(soak.run_soak(live_server.base_url, live_server.admin_token, clients=16, duration_s=15,
                                     disconnect_p=0.10, pid=live_server.proc.pid, seed=1))
     print({k: v for k, v in vars(res).items() if k != "error_samples"}, res.error_samples[:3])

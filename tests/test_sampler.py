@@ -197,6 +197,15 @@ def test_params_to_tensors():
         params_to_tensors([SamplingParams(temperature=-1.0)])
 
 
+def test_params_to_tensors_top_k_beyond_int64_is_disabled_not_an_error():
+    """``top_k: 2**70`` reached the engine (the API bounds it only below) and failed the
+    step of every request in the batch (found by bench/fuzz.py)."""
+    t, k, p = params_to_tensors([SamplingParams(top_k=2**70), SamplingParams(top_k=5)])
+    assert k.tolist() == [2**63 - 1, 5]
+    probs = warp_probs(torch.randn(2, 50), t, k, p)
+    assert (probs[0] > 0).sum() == 50 and (probs[1] > 0).sum() == 5  # ≥ V: nothing cut
+
+
 def test_sampling_state_seeding():
     a = SamplingState.from_params(SamplingParams(seed=42))
     b = SamplingState.from_params(SamplingParams(seed=42))

@@ -7,7 +7,8 @@ import json
 import logging
 from typing import Annotated, AsyncIterator, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -139,6 +140,24 @@ async def read_json_object(request: Request) -> dict:
     return data
 
 
+class JSONBodyRoute(APIRoute):
+    """A route whose body is read as JSON whatever its ``Content-Type`` (missing, or
+    ``application/x-www-form-urlencoded`` as ``curl -d`` sends), like
+    :func:`read_json_object` on ``/v1/chat/completions``. Not a CSRF opening: these
+    routes need an ``Authorization`` header, which a browser never sends cross-site
+    without a CORS preflight."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def as_json(request: Request) -> Response:
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            return await handler(Request(scope, request.receive))
+
+        return as_json
+
+
 def _json_type(value: object) -> str:
     if value is None:
         return "null"
@@ -152,6 +171,23 @@ def validate_body(model: type[M], data: dict) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` declaring ``model`` as the JSON body of a route that reads its body
+    itself (:func:`chat_body`), so the OpenAPI schema — and the fuzzer reading it — see it.
+    Nested models are inlined (a ``#/$defs/...`` ref would not resolve inside a path)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 async def chat_body(request: Request, _: CurrentPrincipal) -> ChatCompletionRequest:

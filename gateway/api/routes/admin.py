@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.api.deps import AdminPrincipal, get_session, require_admin
+from gateway.api.deps import AdminPrincipal, JSONBodyRoute, get_session, require_admin
 from gateway.crud import keys as crud_keys
 from gateway.crud import records as crud_records
 from gateway.crud import tenants as crud_tenants
@@ -26,7 +26,8 @@ from gateway.schemas.tenancy import (
 from gateway.schemas.text import Label, NameRef
 from gateway.stats import user_tokens_per_s
 
-router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)])
+# bodies are JSON whatever their Content-Type, as on /v1/chat/completions (docs/tenancy.md)
+router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)], route_class=JSONBodyRoute)
 Session = Annotated[AsyncSession, Depends(get_session)]
 # a 64-bit row id: larger integers are a 400, not an OverflowError (500) in the driver
 KeyId = Annotated[int, Path(ge=-(2**63), le=2**63 - 1)]

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.deps import CurrentPrincipal, chat_body, get_ready_backend
+from gateway.api.deps import CurrentPrincipal, chat_body, get_ready_backend, openapi_body
 from gateway.api.respond import respond
 from gateway.errors import invalid_request
 from gateway.formatters import ChatFormatter
@@ -19,7 +19,7 @@ from runtime.interface import Backend
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
 async def create_chat_completion(
     request: Request,
     principal: CurrentPrincipal,

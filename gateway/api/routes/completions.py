@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.deps import CurrentPrincipal, completion_body, get_ready_backend
+from gateway.api.deps import CurrentPrincipal, completion_body, get_ready_backend, openapi_body
 from gateway.api.respond import respond
 from gateway.formatters import CompletionFormatter
 from gateway.logprobs import LogprobsBuilder
@@ -18,7 +18,7 @@ from runtime.interface import Backend
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
 async def create_completion(
     request: Request,
     principal: CurrentPrincipal,

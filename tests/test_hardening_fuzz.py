@@ -25,9 +25,6 @@ pytestmark = pytest.mark.model
 EXAMPLES = 8
 # Issue 25 item 1 (lone surrogates reach the record writer, the DB driver and error
 # messages) is fixed on another branch; until it merges these fail — drop the marker then.
-UNICODE_FIX_PENDING = pytest.mark.xfail(strict=True, reason="issue 25 item 1: Unicode validation + writer fix")
-
-
 @pytest.fixture(scope="module")
 def fuzzed():
     """``(FuzzResult, server log text)`` of one CI-sized run against a fresh real-model server."""
@@ -72,20 +69,17 @@ def test_every_4xx_is_openai_shaped(fuzzed):
     assert sum(n for s, n in res.statuses.items() if s.startswith("4")) >= 200, res.statuses
 
 
-@UNICODE_FIX_PENDING
 def test_no_answer_500_or_above(fuzzed):
     res, _ = fuzzed
     assert res.server_errors == res.sse_server_errors == res.transport_errors == 0, (
         res.server_error_samples, res.transport_error_samples)
 
 
-@UNICODE_FIX_PENDING
 def test_records_are_still_written_after_the_fuzz(fuzzed):
     res, _ = fuzzed
     assert res.health["status"] == 200 and res.health["recorded_after_s"] is not None, res.health
 
 
-@UNICODE_FIX_PENDING
 def test_no_traceback_in_the_server_log(fuzzed):
     _, log = fuzzed
     assert "Traceback" not in log, log[-3000:]

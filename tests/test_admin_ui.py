@@ -25,6 +25,7 @@ import pytest
 
 from gateway import admin_ui
 from gateway.main import create_app
+from gateway.schemas.text import NAME_MAX
 from tests.conftest import require_or_skip
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat, make_settings
@@ -527,9 +528,9 @@ def test_every_page_renders_labelled_controls_without_errors(ui, live_server):
 
 
 # ---------------------------------------------------------------- layout with long names (no model)
-LONG_TIER = "enterprise-platinum-" + "t" * 44  # 64 characters: the longest tier name
-LONG_TENANTS = ("acme-" + "x" * 123,  # 128 characters without a break: the longest tenant name
-                "globex.corporation-international-holdings.europe-middle-east-and-africa-division")
+LONG_TIER = ("enterprise-platinum-" + "t" * NAME_MAX)[:NAME_MAX]  # the longest name the API allows
+LONG_TENANTS = (("acme-" + "x" * NAME_MAX)[:NAME_MAX],  # as long, without a place to break
+                "globex.corp-international-holdings.europe-middle-east-and-africa")
 
 
 def long_user(tenant: int, i: int) -> str:

@@ -290,13 +290,14 @@ def exported_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
     from gateway import metrics
+    from gateway.records import RecordWriter
     from runtime.interface import SpecInfo
     from tests.fakes import FakeBackend
 
     backend = FakeBackend()
     backend.spec_info = lambda: SpecInfo("dspark", "dspark-sla", 2, {"buckets": [1], "context_lens": [8], "sps": [[1.0]]})
     old = metrics.STATE.state
-    metrics.STATE.state = SimpleNamespace(backend=backend, records=SimpleNamespace(buffered=0, dropped=0))
+    metrics.STATE.state = SimpleNamespace(backend=backend, records=RecordWriter(None))  # a real, idle writer
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     try:
         return {f.name + sfx for f in REGISTRY.collect() for sfx in suffixes.get(f.type, ("",))}

@@ -1,5 +1,13 @@
 """Suite-wide test policy (a pytest plugin, registered in conftest.py).
 
+``slow``: a test is slow when it needs the real model, a browser, a Prometheus server or a
+C++ kernel build, or takes more than ~2 s on an idle 2-core machine. Tests that request a
+fixture of :data:`SLOW_FIXTURES` (or carry the ``model`` marker) are marked here at
+collection; the others carry ``@pytest.mark.slow`` in their module. ``make test-fast`` runs
+the rest: the gateway logic over FakeBackend. With ``SPARKGATE_FAST_BUDGET_S=<seconds>`` a
+test not marked slow fails when its call takes longer: a cheap check for a fast test that
+has become slow (set it only on an otherwise idle machine, e.g. 3).
+
 CPU kernels: :func:`require_cpu_kernel` is the one policy for tests of a kernel that needs
 particular CPU instructions. Where the CPU has them the tests are required (a kernel that
 does not build fails them, locally and under CI); where it lacks them they skip, naming the
@@ -8,9 +16,16 @@ missing flags. The run's summary says which kernel paths run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
+
+#: Fixtures that make a test slow: the real model (``target_fp32``, ``tokenizer`` and
+#: ``live_server`` build on ``model_dir``), headless Chromium, the gguf kernel's C++ build.
+SLOW_FIXTURES = frozenset({"model_dir", "browser", "gguf_kernel"})
+FAST_BUDGET_ENV = "SPARKGATE_FAST_BUDGET_S"
+_BUDGET = pytest.StashKey[float | None]()
 
 
 def _kernels() -> dict[str, frozenset[str]]:
@@ -53,6 +68,29 @@ def kernel_report(flags: set[str] | None = None) -> str:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(kernel_report())  # after the results, so -q runs (make test) show it too
+
+
+def pytest_configure(config) -> None:
+    budget = os.environ.get(FAST_BUDGET_ENV)  # read once: a test's own env changes do not count
+    config.stash[_BUDGET] = float(budget) if budget else None
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if item.get_closest_marker("model") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    budget = item.config.stash[_BUDGET]
+    report = outcome.get_result()
+    if budget is not None and call.when == "call" and report.passed and not item.get_closest_marker("slow") \
+            and call.duration > budget:
+        report.outcome = "failed"
+        report.longrepr = (f"took {call.duration:.1f} s > {FAST_BUDGET_ENV}={budget:g}: "
+                           "mark it @pytest.mark.slow (or make it faster)")
 
 
 @pytest.fixture(scope="session")

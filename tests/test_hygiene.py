@@ -1,11 +1,12 @@
-"""The suite's own policy (tests/hygiene.py): CPU kernel tests per CPU flag, with faked flags."""
+"""The suite's own policy (tests/hygiene.py): CPU kernel tests per CPU flag, with faked
+flags, and the ``slow`` marking and fast-test time budget, run in an inner pytest session."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.kernels import gguf_cpu
-from tests.hygiene import kernel_report, require_cpu_kernel
+from runtime.kernels import gguf_cpu  # imported here: the inner sessions must not re-import torch
+from tests.hygiene import FAST_BUDGET_ENV, SLOW_FIXTURES, kernel_report, require_cpu_kernel
 
 NEEDS = frozenset({"avx512f", "avx512_bf16"})
 AVX2_ONLY = {"sse2", "avx2", "fma", "avx512f"}
@@ -39,3 +40,51 @@ def test_report_names_the_kernel_paths_that_run():
     assert "gguf (avx512_bf16) no (lacks avx512_bf16, avx512bw, avx512vl, f16c)" in line
     assert "amx no" in line and " yes" not in line.split("(kernel tests")[0]
     assert "amx yes" in kernel_report(XEON | {"amx_tile", "amx_bf16"})
+
+
+INNER = """
+import time
+import pytest
+
+@pytest.fixture
+def target_fp32(model_dir):
+    return model_dir
+""" + "".join(f"""
+@pytest.fixture
+def {name}():
+    return 1
+
+def test_needs_{name}({name}):
+    pass
+""" for name in sorted(SLOW_FIXTURES)) + """
+
+def test_uses_the_model(target_fp32):
+    pass
+
+@pytest.mark.model
+def test_marked_model():
+    pass
+
+def test_plain():
+    pass
+
+def test_sleepy():
+    time.sleep(0.3)
+
+@pytest.mark.slow
+def test_sleepy_but_slow():
+    time.sleep(0.3)
+"""
+
+
+def test_real_model_tests_are_slow_and_fast_ones_keep_a_budget(pytester, monkeypatch):
+    pytester.makepyfile(test_inner=INNER)
+    monkeypatch.delenv(FAST_BUDGET_ENV, raising=False)
+    fast = pytester.runpytest_inprocess("-p", "tests.hygiene", "-m", "not slow", "-k", "not sleepy")
+    fast.assert_outcomes(passed=1, deselected=4 + len(SLOW_FIXTURES))  # only test_plain
+    assert any(line.startswith("CPU kernels: ") for line in fast.outlines)
+    monkeypatch.setenv(FAST_BUDGET_ENV, "0.1")
+    timed = pytester.runpytest_inprocess("-p", "tests.hygiene", "-k", "sleepy")
+    timed.assert_outcomes(passed=1, failed=1)  # a fast test over budget fails, a slow one may take its time
+    timed.stdout.fnmatch_lines([f"took * s > {FAST_BUDGET_ENV}=0.1: mark it @pytest.mark.slow (or make it faster)",
+                                "FAILED test_inner.py::test_sleepy - took *"])

@@ -77,14 +77,17 @@ def test_sleepy_but_slow():
 """
 
 
+PLUGINS = ("-p", "tests.hygiene", "-p", "no:asyncio")  # the inner sessions read no pyproject.toml
+
+
 def test_real_model_tests_are_slow_and_fast_ones_keep_a_budget(pytester, monkeypatch):
     pytester.makepyfile(test_inner=INNER)
     monkeypatch.delenv(FAST_BUDGET_ENV, raising=False)
-    fast = pytester.runpytest_inprocess("-p", "tests.hygiene", "-m", "not slow", "-k", "not sleepy")
+    fast = pytester.runpytest_inprocess(*PLUGINS, "-m", "not slow", "-k", "not sleepy")
     fast.assert_outcomes(passed=1, deselected=4 + len(SLOW_FIXTURES))  # only test_plain
     assert any(line.startswith("CPU kernels: ") for line in fast.outlines)
     monkeypatch.setenv(FAST_BUDGET_ENV, "0.1")
-    timed = pytester.runpytest_inprocess("-p", "tests.hygiene", "-k", "sleepy")
+    timed = pytester.runpytest_inprocess(*PLUGINS, "-k", "sleepy")
     timed.assert_outcomes(passed=1, failed=1)  # a fast test over budget fails, a slow one may take its time
     timed.stdout.fnmatch_lines([f"took * s > {FAST_BUDGET_ENV}=0.1: mark it @pytest.mark.slow (or make it faster)",
                                 "FAILED test_inner.py::test_sleepy - took *"])

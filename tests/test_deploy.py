@@ -417,6 +417,7 @@ def test_deploy_gpu_doc_quotes_the_compose_file():
     assert set(excerpt["gateway"]["volumes"]) <= set(services["gateway"]["volumes"])
 
 
+@pytest.mark.slow
 def test_compose_file_validates():
     binary = shutil.which("docker-compose")
     require_or_skip(binary is not None, "docker-compose (Debian package 'docker-compose')")
@@ -426,6 +427,7 @@ def test_compose_file_validates():
         assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_prometheus_config_is_valid():
     binary = shutil.which("promtool")
     require_or_skip(binary is not None, "promtool (Debian package 'prometheus')")

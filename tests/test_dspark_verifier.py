@@ -128,12 +128,14 @@ def test_synthetic_pair_is_far_apart_and_markov():
     assert markov_tv.mean() >= 0.3
 
 
+@pytest.mark.slow
 def test_t1_joint_matches_target():
     first3 = simulate((1.0, 0, 1.0))
     assert 0.1 < simulate.mean_accepted < 2.9  # both accept and reject paths exercised
     assert chi2_p(first3, expected_joint((1.0, 0, 1.0))) > 0.01
 
 
+@pytest.mark.slow
 def test_warped_joint_matches_warped_target():
     """Temperature 0.7 + top-k 5 + top-p 0.9 on both sides: output = warped target."""
     warp = (0.7, 5, 0.9)
@@ -141,11 +143,13 @@ def test_warped_joint_matches_warped_target():
     assert chi2_p(first3, expected_joint(warp)) > 0.01
 
 
+@pytest.mark.slow
 def test_planted_bug_residual_from_target_is_caught():
     first3 = simulate((1.0, 0, 1.0), bug="residual_from_target")
     assert chi2_p(first3, expected_joint((1.0, 0, 1.0))) < 1e-4
 
 
+@pytest.mark.slow
 def test_planted_bug_pre_markov_pd_is_caught():
     first3 = simulate((1.0, 0, 1.0), bug="pre_markov_pd")
     assert chi2_p(first3, expected_joint((1.0, 0, 1.0))) < 1e-4

@@ -17,7 +17,6 @@ import torch
 from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE, build_draft_vocab, load_draft_vocab, quantize_q8_0
 from runtime.kernels import gguf_cpu
 from runtime.models.llama import SeqSpan
-from tests.conftest import require_or_skip
 
 V = 49152
 
@@ -65,8 +64,7 @@ def test_committed_draft_vocab_is_reproducible():
 
 # -- on the real gguf target ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def setup(model_dir, tokenizer):
-    require_or_skip(gguf_cpu.kernel_available(), "the gguf CPU kernel (AVX512-BF16)")
+def setup(gguf_kernel, model_dir, tokenizer):
     from runtime.dspark.checkpoint import load_drafter
     from runtime.dspark.fast_drafter import FastDrafter
     from runtime.models.llama import load_llama

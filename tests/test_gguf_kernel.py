@@ -1,9 +1,10 @@
 """The ``gguf`` serving dtype: the C++ kernel over GGML blocks (``runtime/kernels/gguf_cpu``)
 and the model that uses it (``runtime/models/gguf_weights``).
 
-The kernel needs AVX512-BF16; on other CPUs the kernel tests skip (under CI too: the
-machine, not a missing package, decides) and the model falls back to its bf16 copy,
-which ``test_gguf_linear_falls_back_to_dense_without_the_kernel`` covers everywhere."""
+The kernel needs AVX512-BF16: where the CPU has it the kernel tests are required, on other
+CPUs they skip naming the missing flags (``tests/hygiene.py``: the machine, not CI, decides)
+and the model falls back to its bf16 copy, which
+``test_gguf_linear_falls_back_to_dense_without_the_kernel`` covers everywhere."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from runtime.kernels.gguf_cpu import Q4_1, Q8_0, dequantize, reference_linear
 from runtime.models import gguf_weights
 from runtime.models.gguf_weights import GgufLinear, unpermute_rows
 
-needs_kernel = pytest.mark.skipif(not gguf_cpu.cpu_supports_kernel(), reason="CPU without AVX512-BF16")
+needs_kernel = pytest.mark.usefixtures("gguf_kernel")
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -61,6 +61,7 @@ def _fuzz_operations(app) -> list:
 
 @pytest.mark.parametrize("gen", ["positive", "negative"])
 @pytest.mark.parametrize("mode", ["admin", "tenant", "none"])
+@pytest.mark.slow
 def test_schemathesis_fuzz_every_route_no_5xx_openai_errors(server, mode, gen):
     require_or_skip(schemathesis is not None, "schemathesis (pip install schemathesis)")
     base, _, _, app = server

@@ -93,6 +93,7 @@ def rows(db) -> list[tuple]:
 
 
 @pytest.mark.parametrize("case", ["drain", "cut"])
+@pytest.mark.slow
 def test_sigterm_drains_streams_flushes_records_exits_0(tmp_path, migrated_template, case):  # noqa: F811
     db = tmp_path / "db.sqlite"
     shutil.copy(migrated_template, db)

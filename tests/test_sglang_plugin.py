@@ -156,6 +156,7 @@ def sglang_env(tmp_path_factory):
     return python, site
 
 
+@pytest.mark.slow
 def test_patch_applies_in_spawned_child_and_weights_the_split(sglang_env, tmp_path):
     from runtime.dspark.sla import sla_weight
 
@@ -174,6 +175,7 @@ def test_patch_applies_in_spawned_child_and_weights_the_split(sglang_env, tmp_pa
     assert res["conf_untouched"] == [True, True]  # the scheduler got a copy
 
 
+@pytest.mark.slow
 def test_without_the_pth_the_split_is_sglangs(tmp_path):
     res = _run_child(None, write_fake_sglang(tmp_path / "fake"))
     assert not res["active"] and res["patched"] == [False, False]

@@ -33,6 +33,7 @@ def post(client, key, **body):
     return client.post("/v1/chat/completions", json=chat(**body), headers=bearer(key))
 
 
+@pytest.mark.slow
 async def test_three_tenants_two_tiers(tenancy_db):
     backend = FakeBackend(token_delay_s=0.001)
     async with running_app(tenancy_db, backend) as (app, client):

@@ -19,14 +19,17 @@ def kernel_env(monkeypatch):
     assert verifier.kernel_path(torch.zeros(1))
 
 
+@pytest.mark.slow
 def test_t1_joint_matches_target_through_kernels(kernel_env):
     plain.test_t1_joint_matches_target()
 
 
+@pytest.mark.slow
 def test_warped_joint_matches_through_kernels(kernel_env):
     plain.test_warped_joint_matches_warped_target()
 
 
+@pytest.mark.slow
 def test_pre_markov_bug_still_caught_through_kernels(kernel_env):
     plain.test_planted_bug_pre_markov_pd_is_caught()
 

@@ -40,6 +40,9 @@ _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
            "-mamx-tile", "-mamx-bf16"]
 #: Rows from which gguf_linear multiplies on the AMX tile unit (where the CPU has one).
 AMX_MIN_ROWS = 4
+#: /proc/cpuinfo flags the kernel needs, and those of the AMX tile unit it uses where present.
+KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"})
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -57,7 +60,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 
 def cpu_supports_kernel(cpuinfo: str | None = None) -> bool:
     """True on x86 CPUs with AVX512F/BW/VL, AVX512-BF16 and F16C (the kernel's ISA)."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"} <= cpu_flags(cpuinfo)
+    return KERNEL_FLAGS <= cpu_flags(cpuinfo)
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,7 +88,7 @@ def _load_kernel() -> bool:
     except Exception:  # noqa: BLE001 — no compiler / ninja: the caller falls back to dense weights
         log.exception("could not build the GGUF CPU kernel; falling back to dequantised weights")
         return False
-    if {"amx_tile", "amx_bf16"} <= cpu_flags():
+    if AMX_FLAGS <= cpu_flags():
         torch.ops.sparkgate.set_amx_min_rows(AMX_MIN_ROWS)
     return True
 

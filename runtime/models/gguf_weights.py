@@ -47,7 +47,7 @@ FUSED_MAX_ROWS = 64
 
 def kernel_max_rows() -> int:
     """:data:`KERNEL_MAX_ROWS_AMX` where the CPU has AMX-BF16, else :data:`KERNEL_MAX_ROWS`."""
-    return KERNEL_MAX_ROWS_AMX if {"amx_tile", "amx_bf16"} <= gguf_cpu.cpu_flags() else KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS_AMX if gguf_cpu.AMX_FLAGS <= gguf_cpu.cpu_flags() else KERNEL_MAX_ROWS
 
 
 def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:

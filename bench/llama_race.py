@@ -75,7 +75,7 @@ for p in cfg["prompts"]:
 
 
 # Runs in a fresh interpreter: the engine as the server builds it, requests one after another.
-SPARKGATE_IN_PROCESS = r"""
+IN_PROCESS_SCRIPT = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[2])
 from runtime.config import EngineConfig
@@ -106,7 +106,7 @@ for i, p in enumerate(cfg["prompts"]):
 
 def sparkgate_in_process(prompts: list[str], max_tokens: int, dtype: str) -> dict:
     cfg = {"dtype": dtype, "prompts": prompts, "max_tokens": max_tokens}
-    out = subprocess.run([sys.executable, "-c", SPARKGATE_IN_PROCESS, json.dumps(cfg), str(ROOT)], check=True,
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT, json.dumps(cfg), str(ROOT)], check=True,
                          capture_output=True, text=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {"engine": f"Sparkgate engine, in-process (dtype {dtype})", "levels": [summarize_in_process(rows)]}

@@ -1,12 +1,27 @@
-"""Engine configuration: one plain dataclass (nano-vllm style).
+"""Engine configuration: one plain dataclass (nano-vllm style), and the runtime's own
+environment variables.
 
-The gateway maps its pydantic settings onto this; the runtime never reads
-environment variables itself except the cache dir (see ``models/loader.py``).
+The gateway derives its pydantic settings (``SPARKGATE_<FIELD>``) from the dataclass
+fields; the runtime reads only the variables of :data:`ENV`, and only via :func:`env`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+#: Variables the runtime reads itself (also without the gateway): name → (default, meaning).
+ENV = {
+    "SPARKGATE_CACHE_DIR": ("~/.cache/sparkgate", "root of the caches: converted model, SPS profiles, "
+                            "compiled kernels, default database (``runtime.models.loader.cache_dir``)."),
+    "SPARKGATE_KERNELS": ("auto", "verification kernels: ``auto`` (Triton for CUDA tensors, else the torch "
+                          "reference), ``reference`` or ``triton`` forced (``runtime.kernels.dispatch``)."),
+}
+
+
+def env(name: str) -> str:
+    """The value of ``name`` (a key of :data:`ENV`), stripped; unset or empty → its default."""
+    return os.environ.get(name, "").strip() or ENV[name][0]
 
 
 @dataclass
@@ -27,7 +42,7 @@ class EngineConfig:
         prefill_chunk_tokens: long prompts are prefilled in chunks of this many tokens
             so running streams keep flowing.
         max_step_tokens: max tokens in one ragged forward (prefill chunks + decode).
-        request_timeout_s: per-request wall-clock limit.
+        request_timeout_s: per-request wall-clock limit (seconds).
         num_threads: torch intra-op threads (0 → torch default).
         spec_method: ``"none"`` (AR), ``"dspark"``, ``"parallel"`` (rank-0 ablation),
             ``"prompt_lookup"`` (n-gram baseline).
@@ -45,10 +60,10 @@ class EngineConfig:
             is for the ``dspark`` policies — no cache lookup, no profiling (e.g. the
             committed ``tests/data/sps_table.json``). ``None`` → the cached profile
             matching this engine, else the fallback table.
-        profile_on_start: when no cached profile matches, profile the SPS table at
-            start-up (bounded: ~10–20 s on the 2-core CPU, see
-            ``runtime.dspark.profile_engine``) and cache it. ``False`` (default; tests)
-            never profiles: cached profile or fallback table.
+        profile_on_start: when speculating and no cached profile matches, profile the SPS
+            table at start-up (bounded: ~10–20 s on the 2-core CPU, see
+            ``runtime.dspark.profile_engine``) and cache it. ``False`` (the engine's default;
+            tests) never profiles: cached profile or fallback table. The server's default is on.
         prefix_cache_blocks: capacity of the automatic prefix cache
             (:mod:`runtime.prefix_cache`) in blocks of ``prefix_block_size`` tokens;
             0 disables it. Default 256 × 16 = 4096 tokens ≈ 180 MiB in fp32 (90 MiB in

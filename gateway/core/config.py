@@ -1,17 +1,27 @@
 """Gateway settings (pydantic-settings): environment variables ``SPARKGATE_*`` and ``.env``.
 
 Example: ``SPARKGATE_PORT=9000 SPARKGATE_CORS_ORIGINS=http://localhost:3000 sparkgate serve``.
-List values accept JSON (``["a","b"]``) or a comma-separated string.
+List values accept JSON (``["a","b"]``) or a comma-separated string. Each field of
+:class:`runtime.config.EngineConfig` is the setting of the same name, each field of
+:class:`runtime.sglang.client.SGLangConfig` the setting ``sglang_<field>`` (except
+:data:`SHARED`). The table of every ``SPARKGATE_*`` variable, ``docs/configuration.md``, is
+generated from these classes' docstrings (``python -m tests.configuration_doc --write``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import typing
+from dataclasses import MISSING, fields
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.config import EngineConfig
+from runtime.sglang.client import SGLangConfig
+
+#: ``SGLangConfig`` fields taken from the unprefixed setting of the same name.
+SHARED = ("model_name", "max_context", "request_timeout_s")
 
 
 def default_database_url() -> str:
@@ -22,8 +32,22 @@ def default_database_url() -> str:
     return f"sqlite+aiosqlite:///{cache_dir() / 'sparkgate.db'}"
 
 
-class Settings(BaseSettings):
-    """Every knob of the gateway and the embedded engine it builds.
+def _fields_of(config: type, prefix: str = "") -> dict[str, Any]:
+    """Pydantic field definitions ``prefix + name → (type, default)`` of dataclass ``config``
+    (the :data:`SHARED` names left out when prefixed)."""
+    hints = typing.get_type_hints(config)
+    return {prefix + f.name: (hints[f.name], f.default if f.default is not MISSING else
+                              Field(default_factory=f.default_factory))
+            for f in fields(config) if not (prefix and f.name in SHARED)}
+
+
+_Derived = create_model("_Derived", __base__=BaseSettings, **_fields_of(EngineConfig),
+                        **_fields_of(SGLangConfig, "sglang_"))
+
+
+class Settings(_Derived):
+    """Every knob of the gateway and of the backend it builds: the embedded engine's
+    (:class:`EngineConfig`'s fields) or SGLang's (``sglang_`` + :class:`SGLangConfig`'s).
 
     Attributes:
         host, port: where ``sparkgate serve`` listens.
@@ -34,16 +58,6 @@ class Settings(BaseSettings):
         metrics_max_tenants: distinct tenants named in metric labels; later ones → ``other``.
         database_url: SQLAlchemy async URL (``sqlite+aiosqlite://`` or
             ``postgresql+asyncpg://``) holding tenants and API keys.
-        dtype, max_batch_size, max_context, max_waiting, request_timeout_s (seconds),
-        spec_method, spec_policy, draft_checkpoint, num_speculative_tokens, draft_fused, sps_table_path,
-        profile_on_start, spec_gate: passed to :class:`runtime.config.EngineConfig` (see its docstring);
-            serving profiles the SPS table at start-up only when speculating and no
-            cached profile matches (``profile_on_start``, default on for the server).
-            ``spec_gate`` (``SPARKGATE_SPEC_GATE``, default on): speculate only on steps
-            where measured speed says it beats plain decoding (``runtime.dspark.gate``).
-        prefix_cache_blocks: capacity of the automatic prefix cache in 16-token blocks
-            (``runtime.prefix_cache``; 256 blocks = 180 MiB in fp32, 90 MiB in bf16, with
-            the drafter's context cache on top when speculating); 0 disables it.
         prefix_cache_scope: ``tenant`` (default): cached prompt KV is reused only within
             a tenant (no cross-tenant timing side channel); ``global``: across tenants.
         cors_origins: browser origins allowed by CORS; empty → CORS disabled.
@@ -58,7 +72,8 @@ class Settings(BaseSettings):
             replicas; unset → per-replica buckets.
         record_buffer_max: request records buffered in memory while the database is slow
             or down; beyond it records are dropped and counted (``RecordWriter.dropped``).
-        record_batch_size, record_flush_interval_s: records per insert, seconds between flushes.
+        record_batch_size: request records per insert.
+        record_flush_interval_s: seconds between two flushes of the buffered records.
         record_retention_days: request records older than this are pruned (days).
         rollup_retention_days: per-minute rollups older than this are pruned (days).
         rollup_interval_s: how often touched minutes are re-aggregated (seconds).
@@ -82,21 +97,6 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     metrics_max_tenants: int = 20
     database_url: str = Field(default_factory=default_database_url)
-    # runtime.config.resolve_dtype: gguf where its kernels run, else bf16 on CPUs with native bf16, else fp32
-    dtype: Literal["auto", "gguf", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
-    max_batch_size: int = 16
-    max_context: int = 2048
-    max_waiting: int = 256
-    request_timeout_s: float = 600.0
-    spec_method: str = "none"
-    spec_policy: str = "dspark-sla"
-    draft_checkpoint: str | None = None
-    num_speculative_tokens: int = 7
-    draft_fused: bool = True
-    sps_table_path: str | None = None
-    profile_on_start: bool = True
-    spec_gate: bool = True
-    prefix_cache_blocks: int = Field(default=256, ge=0)  # blocks of 16 tokens; 0 disables prefix caching
     prefix_cache_scope: Literal["tenant", "global"] = "tenant"
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     admin_token: str | None = None
@@ -115,16 +115,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = 2_000_000
     shutdown_timeout_s: float = 30.0
     backend: Literal["embedded", "sglang"] = "embedded"
-    sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["http://127.0.0.1:30000"])
-    sglang_tokenizer_path: str | None = None
-    sglang_api_key: str | None = None
-    sglang_send_priority: bool = False
-    sglang_priority_low_values_first: bool = False
-    sglang_sla_max_weight: float = 4.0
-    sglang_incremental_streaming_output: bool | None = None
-    sglang_health_path: str = "/health"
-    sglang_health_interval_s: float = 10.0
-    sglang_max_in_flight_per_upstream: int | None = None
+    # Derived fields the gateway narrows: the dtypes the engine accepts, start-up profiling on
+    # when serving, no negative cache, URLs as a comma-separated list.
+    dtype: Literal["auto", "gguf", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
+    profile_on_start: bool = True
+    prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)
+    sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SGLangConfig.urls))
 
     @field_validator("cors_origins", "sglang_urls", mode="before")
     @classmethod
@@ -139,42 +135,14 @@ class Settings(BaseSettings):
         return value
 
     def engine_config(self) -> EngineConfig:
-        """The :class:`EngineConfig` for the embedded engine (other fields keep their defaults)."""
-        return EngineConfig(
-            dtype=self.dtype,
-            max_batch_size=self.max_batch_size,
-            max_context=self.max_context,
-            max_waiting=self.max_waiting,
-            request_timeout_s=self.request_timeout_s,
-            spec_method=self.spec_method,
-            spec_policy=self.spec_policy,
-            draft_checkpoint=self.draft_checkpoint,
-            num_speculative_tokens=self.num_speculative_tokens,
-            draft_fused=self.draft_fused,
-            sps_table_path=self.sps_table_path,
-            profile_on_start=self.profile_on_start,
-            spec_gate=self.spec_gate,
-            prefix_cache_blocks=self.prefix_cache_blocks,
-        )
+        """The :class:`EngineConfig` for the embedded engine: the settings of its fields."""
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
-    def backend_config(self):
-        """:class:`EngineConfig` (embedded) or ``runtime.sglang.client.SGLangConfig``."""
+    def backend_config(self) -> EngineConfig | SGLangConfig:
+        """:class:`EngineConfig` (embedded) or :class:`SGLangConfig` (``sglang_<field>``,
+        the :data:`SHARED` ones unprefixed)."""
         if self.backend != "sglang":
             return self.engine_config()
-        from runtime.sglang.client import SGLangConfig
-
-        return SGLangConfig(
-            urls=tuple(self.sglang_urls),
-            model_name=self.model_name,
-            max_context=self.max_context,
-            tokenizer_path=self.sglang_tokenizer_path,
-            api_key=self.sglang_api_key,
-            send_priority=self.sglang_send_priority,
-            priority_low_values_first=self.sglang_priority_low_values_first,
-            sla_max_weight=self.sglang_sla_max_weight,
-            incremental_streaming_output=self.sglang_incremental_streaming_output,
-            request_timeout_s=self.request_timeout_s,
-            health_path=self.sglang_health_path,
-            health_interval_s=self.sglang_health_interval_s,
-            max_in_flight_per_upstream=self.sglang_max_in_flight_per_upstream,
-        )
+        values = {f.name: getattr(self, f.name if f.name in SHARED else f"sglang_{f.name}")
+                  for f in fields(SGLangConfig)}
+        return SGLangConfig(**values | {"urls": tuple(self.sglang_urls)})

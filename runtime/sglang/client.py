@@ -130,10 +130,12 @@ class SGLangConfig:
         sla_max_weight: weight cap sent with the SLA target (``sla_weight``'s ``max_weight``).
         incremental_streaming_output: the servers' ``--incremental-streaming-output``;
             ``None`` → detect per stream.
-        connect_timeout_s, read_timeout_s: httpx connect timeout and the longest silence
-            between two chunks (seconds).
+        connect_timeout_s: httpx connect timeout (seconds).
+        read_timeout_s: the longest silence between two chunks of a stream (seconds).
         request_timeout_s: default wall-clock limit per request (seconds).
-        health_path, health_interval_s, health_timeout_s: health probing (seconds).
+        health_path: the servers' health endpoint.
+        health_interval_s: seconds between two health probes of a server.
+        health_timeout_s: timeout of one health probe (seconds).
         max_in_flight_per_upstream: admission cap per server; beyond it on every healthy
             server → :class:`QueueFullError`. ``None`` → no cap (SGLang queues).
         retry_after_s: ``retry_after_s`` of a :class:`QueueFullError` without ``Retry-After``.

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(env[k])}" for k in sorted(env)
-                       if k.startswith(("SGLANG_", "SPARKGATE_SLA"))), shlex.join(cmd))
+                       if k.startswith(("SGLANG_", "SPARKGATE_SLA_"))), shlex.join(cmd))
         return 0
     sys.stdout.flush()
     sys.stderr.flush()

@@ -75,9 +75,14 @@ log = logging.getLogger("sparkgate.sla_plugin")
 
 TARGET_KEY = "sparkgate_sla_target_tokens_per_s"
 MAX_WEIGHT_KEY = "sparkgate_sla_max_weight"
-ENV_ENABLE = "SPARKGATE_SLA_PLUGIN"
-ENV_SHARPNESS = "SPARKGATE_SLA_SHARPNESS"
-ENV_UNKNOWN_WEIGHT = "SPARKGATE_SLA_UNKNOWN_WEIGHT"
+#: The plugin's variables, read in the SGLang servers' processes by this module only
+#: (and the boot file's on/off check, ``install.py``): name → (default, meaning).
+ENV = {
+    "SPARKGATE_SLA_PLUGIN": ("1", "``0`` disables the SGLang SLA plugin (``runtime/sglang/plugin``)."),
+    "SPARKGATE_SLA_SHARPNESS": (3.0, "the SLA plugin's ``sharpness`` of ``runtime.dspark.sla.sla_weight``."),
+    "SPARKGATE_SLA_UNKNOWN_WEIGHT": (1.0, "the SLA plugin's weight of a request not measured yet."),
+}
+ENV_ENABLE, ENV_SHARPNESS, ENV_UNKNOWN_WEIGHT = ENV
 
 WORKER_MODULE = "sglang.srt.speculative.dspark_components.dspark_worker_v2"
 WORKER_CLASS = "DSparkWorkerV2"
@@ -118,11 +123,12 @@ DEFAULT_MAX_WEIGHT: float = _sla.DEFAULT_MAX_WEIGHT
 CLOCK: Callable[[], float] = time.monotonic
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str) -> float:
+    """``$name`` (a key of :data:`ENV`) as a float; unset or not a number → its default."""
     try:
-        return float(os.environ.get(name, default))
+        return float(os.environ.get(name, ENV[name][0]))
     except ValueError:
-        return default
+        return ENV[name][0]
 
 
 class SpeedTracker:
@@ -172,8 +178,8 @@ class SlaWeigher:
     """
 
     def __init__(self, sharpness: float | None = None, unknown_weight: float | None = None) -> None:
-        self.sharpness = _env_float(ENV_SHARPNESS, 3.0) if sharpness is None else sharpness
-        self.unknown_weight = _env_float(ENV_UNKNOWN_WEIGHT, 1.0) if unknown_weight is None else unknown_weight
+        self.sharpness = _env_float(ENV_SHARPNESS) if sharpness is None else sharpness
+        self.unknown_weight = _env_float(ENV_UNKNOWN_WEIGHT) if unknown_weight is None else unknown_weight
         self.tracker = SpeedTracker()
 
     def weight(self, params: Any, rid: str, n_tokens: int, now: float) -> float:
@@ -375,7 +381,7 @@ def activate() -> bool:
     """Install the import hook (idempotent) and patch modules already imported.
 
     Returns ``False`` when disabled by ``SPARKGATE_SLA_PLUGIN=0``."""
-    if os.environ.get(ENV_ENABLE, "1") == "0":
+    if os.environ.get(ENV_ENABLE, ENV[ENV_ENABLE][0]) == "0":
         return False
     if not is_active():
         sys.meta_path.insert(0, SlaImportHook())

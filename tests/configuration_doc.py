@@ -31,6 +31,8 @@ REGENERATE = ".venv/bin/python -m tests.configuration_doc --write"
 DEV_ENV = {
     "SPARKGATE_CHECK_SGLANG_SOURCE": ("", "``1`` runs the tests that download the sglang wheel "
                                       "(``tests/test_sglang_source.py``, ``tests/test_sglang_gpu.py``)."),
+    "SPARKGATE_FAST_BUDGET_S": ("", "seconds: a test not marked ``slow`` whose call takes longer fails "
+                                "(``tests/hygiene.py``; off when unset)."),
     "SPARKGATE_SGLANG_WHEEL": ("", "a local sglang wheel for those tests instead of the download."),
     "SPARKGATE_UI_SCREENSHOTS": ("", "folder the admin-UI tests write page screenshots to (``docs/screenshots``)."),
     "SPARKGATE_URL": ("http://127.0.0.1:8000", "gateway the admin UI's dev server proxies (``admin_ui/vite.config.ts``)."),

@@ -25,8 +25,9 @@ import time
 
 import torch
 
+from runtime.dspark.verifier import verify_chain
 from runtime.kernels import dispatch
-from runtime.kernels.reference import chain_offsets, markov_sample_reference, verify_chain_reference
+from runtime.kernels.reference import chain_offsets, markov_sample_reference
 
 
 def chain_inputs(lengths: list[int], V: int, dev: str, seed: int, noise: float = 0.7):
@@ -62,16 +63,17 @@ SMOKE_MARKOV_CASES = [(3, 4, 128, 8, torch.float32), (5, 3, 300, 16, torch.bfloa
 
 
 def check_verify(verify_triton, dev: str, cases=VERIFY_CASES) -> dict:
-    """Exact agreement of the Triton verify kernel with the reference on several shapes."""
+    """Exact agreement of the Triton verify kernel with the torch verifier
+    (:func:`runtime.dspark.verifier.verify_chain`) on several shapes."""
     out, total_tok, mism, acc_mism = [], 0, 0, 0
     for i, (lengths, V, noise) in enumerate(cases):
         for seed in range(3):
             args = chain_inputs(lengths, V, dev, seed=100 * i + seed, noise=noise)
-            ref, got = verify_chain_reference(*args), verify_triton(*args)
-            acc_mism += int((ref.num_accepted != got.num_accepted).sum())
-            mism += int((ref.output_tokens != got.output_tokens).sum())
-            total_tok += ref.output_tokens.numel()
-        out.append({"lengths": f"{len(lengths)} reqs, max {max(lengths)}", "V": V, "mean_accepted": float(ref.num_accepted.float().mean())})
+            ref, (acc, nxt) = verify_chain(*args), verify_triton(*args)
+            acc_mism += int((ref.accepted != acc).sum())
+            mism += int((ref.next_tokens != nxt).sum())
+            total_tok += nxt.numel()
+        out.append({"lengths": f"{len(lengths)} reqs, max {max(lengths)}", "V": V, "mean_accepted": float(ref.accepted.float().mean())})
     return {"cases": out, "accept_mismatches": acc_mism, "token_mismatches": mism, "tokens_compared": total_tok, "ok": acc_mism == 0 and mism == 0}
 
 
@@ -161,7 +163,7 @@ def main() -> None:
     vargs = chain_inputs([L] * R, V, dev, seed=1)
     margs = markov_inputs(B, G, V, r, dev, seed=2)
     margs_bf16 = markov_inputs(B, G, V, r, dev, seed=2, dtype=torch.bfloat16)
-    ref_v = lambda: verify_chain_reference(*vargs, max_len=L)  # noqa: E731
+    ref_v = lambda: verify_chain(*vargs, max_len=L)  # noqa: E731
     ref_m = lambda: markov_sample_reference(*margs)  # noqa: E731
     if (cuda or (a.smoke and interp)) and dispatch.triton_available():
         import triton

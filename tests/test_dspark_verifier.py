@@ -10,6 +10,9 @@ first three output tokens must match the target chain's (chi-square).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from unittest import mock
+
 import pytest
 import torch
 from scipy import stats
@@ -17,6 +20,7 @@ from scipy import stats
 from runtime.dspark.confidence_head import ConfidenceHead
 from runtime.dspark.drafter import sample_block
 from runtime.dspark.markov_head import MarkovHead
+from runtime.dspark import verifier
 from runtime.dspark.verifier import spec_round, verify
 from runtime.sampler import warp_probs
 
@@ -40,6 +44,12 @@ def _tables(seed: int = 0):
 def _params(n: int, warp: tuple[float, int, float]):
     t, k, p = warp
     return torch.full((n,), t), torch.full((n,), k, dtype=torch.long), torch.full((n,), p)
+
+
+def residual_from_target():
+    """Planted bug (a context manager): the extra token after a rejection is drawn from
+    p_t instead of norm(max(0, p_t − p_d)) — :func:`verifier.residual` patched."""
+    return mock.patch.object(verifier, "residual", lambda p_t, p_d: p_t)
 
 
 def simulate(warp, *, bug: str | None = None, n: int = N, seed: int = 1) -> torch.Tensor:
@@ -70,10 +80,8 @@ def simulate(warp, *, bug: str | None = None, n: int = N, seed: int = 1) -> torc
         p_d = ds.probs.reshape(-1, V)
         if bug == "pre_markov_pd":
             p_d = warp_probs(U.reshape(-1, V), rep(temp, GAMMA), rep(tk, GAMMA), rep(tp, GAMMA))
-        res = verify(
-            p_t, p_d, ds.tokens.reshape(-1), [GAMMA] * B, [g] * B,
-            residual_from="target" if bug == "residual_from_target" else "residual",
-        )  # fmt: skip
+        with residual_from_target() if bug == "residual_from_target" else nullcontext():
+            res = verify(p_t, p_d, ds.tokens.reshape(-1), [GAMMA] * B, [g] * B)
         a = res.accepted
         emitted = torch.cat([ds.tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)
         emitted[torch.arange(B), a] = res.next_tokens
@@ -183,8 +191,6 @@ def test_greedy_reduces_to_argmax_match():
 def test_verify_greedy_equals_verify_on_one_hot_targets():
     """spec_round's greedy path (argmax only) decides every round as verify() on
     warp_probs' one-hot rows — for any draft distribution, and with tied maxima."""
-    from runtime.dspark.verifier import verify_greedy
-
     g = torch.Generator().manual_seed(11)
     R, Vb = 200, 12
     lens = torch.randint(0, 6, (R,), generator=g)
@@ -196,7 +202,7 @@ def test_verify_greedy_equals_verify_on_one_hot_targets():
     p_d = torch.softmax(torch.randn(D, Vb, generator=g), -1)  # non-one-hot drafts
     drafts = torch.where(torch.rand(D, generator=g) < 0.7, best, torch.multinomial(p_d, 1, generator=g)[:, 0])
     ref = verify(p_t, p_d, drafts, lens, [torch.Generator().manual_seed(i) for i in range(R)])
-    got = verify_greedy(logits, drafts, lens)
+    got = verifier.verify_greedy(logits, drafts, lens)
     assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.next_tokens, ref.next_tokens)
     assert got.tokens() == ref.tokens()
     assert 0 < int(got.accepted.sum()) < D
@@ -207,7 +213,7 @@ def test_verify_greedy_equals_verify_on_one_hot_targets():
     with pytest.raises(ValueError, match="draft_probs"):
         spec_round(logits, None, drafts, lens.tolist(), [0] * R, torch.ones(R), k0, p1, gens)
     with pytest.raises(ValueError):
-        verify_greedy(logits[1:], drafts, lens)
+        verifier.verify_greedy(logits[1:], drafts, lens)
 
 
 def test_greedy_spec_rounds_equal_greedy_ar():

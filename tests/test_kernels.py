@@ -1,4 +1,8 @@
-"""GPU verification kernels: Triton vs the torch reference, and the reference itself.
+"""GPU kernels: Triton vs torch, and the torch side itself.
+
+The verification kernel is compared, bit for bit, with the one verification module's
+standard mode (:func:`runtime.dspark.verifier.verify_chain`); the Markov kernel with
+:func:`runtime.kernels.reference.markov_sample_reference`.
 
 The Triton kernels run on CUDA when a GPU is present, otherwise on CPU under
 ``TRITON_INTERPRET=1`` (set here before any kernel module is imported). Without
@@ -17,6 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from runtime.dspark.verifier import verify_chain  # noqa: E402
 from runtime.kernels import dispatch  # noqa: E402
 from runtime.kernels.reference import (  # noqa: E402
     QUANT_BITS,
@@ -25,7 +30,6 @@ from runtime.kernels.reference import (  # noqa: E402
     inverse_cdf_draw,
     markov_sample_reference,
     quantize_weights,
-    verify_chain_reference,
 )
 from tests.conftest import require_or_skip  # noqa: E402
 
@@ -127,10 +131,10 @@ def test_verify_reference_hand_case():
     )
     pd = torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25]])
     x = torch.tensor([1, 3, 0])
-    res = verify_chain_reference(pt, pd, x, torch.tensor([2, 1, 0]), torch.tensor([0.9, 0.1, 0.999]), torch.tensor([0.7, 0.5, 0.2]))
-    assert res.num_accepted.tolist() == [1, 1, 0]
+    res = verify_chain(pt, pd, x, torch.tensor([2, 1, 0]), torch.tensor([0.9, 0.1, 0.999]), torch.tensor([0.7, 0.5, 0.2]))
+    assert res.accepted.tolist() == [1, 1, 0]
     assert res.num_emitted.tolist() == [2, 2, 1]
-    assert res.output_tokens.tolist() == [[1, 2, -1], [0, 3, -1], [1, -1, -1]]
+    assert res.tokens() == [[1, 2], [0, 3], [1]]
 
 
 def test_verify_reference_zero_residual_falls_back_to_target():
@@ -138,8 +142,8 @@ def test_verify_reference_zero_residual_falls_back_to_target():
     p = torch.tensor([[0.0, 0.5, 0.5]])
     pt = torch.cat([p, torch.tensor([[1.0, 0.0, 0.0]])])
     for u, want in ((0.1, 1), (0.9, 2)):
-        res = verify_chain_reference(pt, p, torch.tensor([0]), torch.tensor([1]), torch.tensor([0.0]), torch.tensor([u]))
-        assert res.num_accepted.tolist() == [0] and res.output_tokens.tolist() == [[want, -1]]
+        res = verify_chain(pt, p, torch.tensor([0]), torch.tensor([1]), torch.tensor([0.0]), torch.tensor([u]))
+        assert res.accepted.tolist() == [0] and res.next_tokens.tolist() == [want]
 
 
 def test_verify_reference_greedy_one_hot():
@@ -155,14 +159,10 @@ def test_verify_reference_greedy_one_hot():
     x = tgt_argmax[judged].clone()
     x[[1, 4]] = (x[[1, 4]] + 1) % V  # r0 mismatches at k=1, r2 at k=1
     pd = torch.nn.functional.one_hot(x, V).float()
-    res = verify_chain_reference(pt, pd, x, lens, torch.rand(D, generator=g), torch.rand(R, generator=g))
-    assert res.num_accepted.tolist() == [1, 0, 1, 2]
-    want = []
-    for r, n in enumerate(lengths):
-        a = res.num_accepted[r].item()
-        row = x[d_off[r] : d_off[r] + a].tolist() + [tgt_argmax[t_off[r] + a].item()]
-        want.append(row + [-1] * (5 - len(row)))
-    assert res.output_tokens.tolist() == want
+    res = verify_chain(pt, pd, x, lens, torch.rand(D, generator=g), torch.rand(R, generator=g))
+    assert res.accepted.tolist() == [1, 0, 1, 2]
+    want = [x[d_off[r] : d_off[r] + a].tolist() + [tgt_argmax[t_off[r] + a].item()] for r, a in enumerate(res.accepted.tolist())]
+    assert res.tokens() == want
 
 
 def test_verify_reference_chi_square_matches_target():
@@ -188,8 +188,10 @@ def test_verify_reference_chi_square_matches_target():
     pd = pd_rows.repeat(N, 1)
     x = torch.multinomial(pd_rows, N, replacement=True, generator=g).t().reshape(-1)
     lens = torch.full((N,), L, dtype=torch.int64)
-    res = verify_chain_reference(pt, pd, x, lens, torch.rand(N * L, generator=g), torch.rand(N, generator=g), max_len=L)
-    acc, out = res.num_accepted, res.output_tokens
+    res = verify_chain(pt, pd, x, lens, torch.rand(N * L, generator=g), torch.rand(N, generator=g), max_len=L)
+    acc = res.accepted
+    out = torch.cat([x.view(N, L), torch.zeros(N, 1, dtype=torch.long)], 1)  # emitted token at each position
+    out[torch.arange(N), acc] = res.next_tokens
     for k in range(L + 1):
         sel = acc >= k if k < L else acc == L
         toks = out[sel, k]
@@ -209,9 +211,9 @@ def test_verify_reference_chi_square_matches_target():
 def test_verify_reference_shape_errors():
     pt, pd, x = torch.rand(3, 4), torch.rand(1, 4), torch.tensor([0])
     with pytest.raises(ValueError):
-        verify_chain_reference(pt, pd, x, torch.tensor([1, 1]), torch.rand(1), torch.rand(2))
+        verify_chain(pt, pd, x, torch.tensor([1, 1]), torch.rand(1), torch.rand(2))
     with pytest.raises(ValueError):  # sum(lengths) = 2 != D = 1 (with R = 1 rows mismatch)
-        verify_chain_reference(torch.rand(2, 4), pd, x, torch.tensor([2]), torch.rand(1), torch.rand(1))
+        verify_chain(torch.rand(2, 4), pd, x, torch.tensor([2]), torch.rand(1), torch.rand(1))
 
 
 # ---------------------------------------------------------------- Markov: reference semantics
@@ -258,13 +260,12 @@ def test_triton_verify_matches_reference(kernels, V, block_v):
     n_acc_seen = set()
     for trial in range(4):
         args = _chain_case([0, 1, 3, 7, 2], V, g)
-        ref = verify_chain_reference(*args)
-        out = verify_triton(*args, block_v=block_v)
-        assert torch.equal(out.num_accepted, ref.num_accepted), (trial, out.num_accepted, ref.num_accepted)
-        mism = int((out.output_tokens != ref.output_tokens).sum())
+        ref = verify_chain(*args)
+        acc, nxt = verify_triton(*args, block_v=block_v)
+        assert torch.equal(acc, ref.accepted), (trial, acc, ref.accepted)
+        mism = int((nxt != ref.next_tokens).sum())
         assert mism == 0, f"{mism} token mismatches (trial {trial})"
-        assert torch.equal(out.num_emitted, ref.num_accepted + 1)
-        n_acc_seen.update(ref.num_accepted.tolist())
+        n_acc_seen.update(ref.accepted.tolist())
     assert len(n_acc_seen) >= 3  # both accept and reject paths exercised
 
 
@@ -275,15 +276,14 @@ def test_triton_verify_edge_cases(kernels):
     pd = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 1.0]])
     x = torch.tensor([0, 1])  # r0: p_t=p_d=0 → reject, fallback; r1: p_d(1)=0, p_t(1)=.5 → accept
     args = [t.to(DEV) for t in (pt, pd, x, torch.tensor([1, 1, 0], dtype=torch.int32), torch.tensor([0.3, 0.99]), torch.tensor([0.9, 0.5, 0.1]))]
-    ref, out = verify_chain_reference(*args), verify_triton(*args)
-    assert ref.output_tokens.tolist() == [[2, -1], [1, 2], [0, -1]]
-    assert torch.equal(out.output_tokens, ref.output_tokens) and torch.equal(out.num_accepted, ref.num_accepted)
+    ref, (acc, nxt) = verify_chain(*args), verify_triton(*args)
+    assert ref.tokens() == [[2], [1, 2], [0]]
+    assert torch.equal(nxt, ref.next_tokens) and torch.equal(acc, ref.accepted)
     # no drafts at all
     g = torch.Generator().manual_seed(2)
     args = _chain_case([0, 0, 0], 50, g)
-    ref, out = verify_chain_reference(*args, max_len=2), verify_triton(*args, max_len=2)
-    assert out.output_tokens.shape == (3, 3) and torch.equal(out.output_tokens, ref.output_tokens)
-    assert out.num_accepted.tolist() == [0, 0, 0]
+    ref, (acc, nxt) = verify_chain(*args, max_len=2), verify_triton(*args, max_len=2)
+    assert torch.equal(nxt, ref.next_tokens) and acc.tolist() == ref.accepted.tolist() == [0, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -315,17 +315,11 @@ def test_dispatch_backend(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("SPARKGATE_KERNELS", raising=False)
     assert dispatch.backend_for(cpu) == "reference"
+    assert not dispatch.kernel_path(cpu)
     monkeypatch.setenv("SPARKGATE_KERNELS", "reference")
-    assert dispatch.backend_for(cpu) == "reference"
+    assert dispatch.backend_for(cpu) == "reference" and dispatch.kernel_path(cpu)
     monkeypatch.setenv("SPARKGATE_KERNELS", "cuda-please")
     with pytest.raises(ValueError):
         dispatch.backend_for(cpu)
     assert dispatch.fused_markov_supported(0, 1.0)
     assert not dispatch.fused_markov_supported(50, 1.0) and not dispatch.fused_markov_supported(0, 0.9)
-
-
-def test_dispatch_cpu_runs_reference(monkeypatch):
-    monkeypatch.delenv("SPARKGATE_KERNELS", raising=False)
-    g = torch.Generator().manual_seed(4)
-    args = [t.cpu() for t in _chain_case([2, 1], 32, g)]
-    assert torch.equal(dispatch.verify_chain(*args).output_tokens, verify_chain_reference(*args).output_tokens)

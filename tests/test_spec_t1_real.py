@@ -36,7 +36,7 @@ Checks (chi-square on the top tokens + an "other" bin, expected counts ≥ 5):
   (df = Σ_v (cells_v − 1)).
 
 Correct verifier: p > 0.01 at T = 1 and at T = 1, top_p = 0.9. Planted bugs (T = 1):
-residual drawn from p_t instead of norm(max(0, p_t − p_d)) (``residual_from="target"``)
+residual drawn from p_t instead of norm(max(0, p_t − p_d)) (``residual_from_target``)
 and verification against the pre-Markov p_d (the base logits U without the Markov
 bias) while the drafts were sampled from the corrected one: p < 1e-4 at position 1.
 Under the prefix scheduler (``test_t1_real_model_rounds_under_the_scheduler_match_target``):
@@ -56,20 +56,19 @@ x_2 accepted 16; top_p 0.9: p1 = 0.43, p2 = 0.42, 725 and 2; bugs: p1 = 3e-105
 from __future__ import annotations
 
 import ctypes
-import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
-from unittest import mock
 
 import pytest
 import torch
 from scipy import stats
 
-import runtime.dspark.verifier as verifier
 from runtime.dspark.config import DrafterConfig
 from runtime.dspark.drafter import DraftBlock, DSparkDrafter
 from runtime.dspark.verifier import spec_round
 from runtime.models.llama import SeqSpan
 from runtime.sampler import warp_probs
+from tests.test_dspark_verifier import residual_from_target
 
 pytestmark = pytest.mark.model
 
@@ -208,8 +207,8 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
     (the engine's scheduler: it sees the fork's confidences, never the target).
 
     Every fork's drafts are sampled once and then verified by each of ``variants``:
-    ``None`` (the real verifier), ``"residual_from_target"`` (planted bug, via
-    ``verify(residual_from="target")`` inside :func:`spec_round`) or ``"pre_markov_pd"``
+    ``None`` (the real verifier), ``"residual_from_target"`` (planted bug:
+    :func:`tests.test_dspark_verifier.residual_from_target`) or ``"pre_markov_pd"``
     (planted bug: verify against warp(U), the base logits without the Markov bias,
     while the drafts were sampled from U + B(x_{k−1})). Each variant starts from the
     same generator states (after drafting), as separate engine runs with the same
@@ -248,7 +247,6 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
                 rep = lambda t: t.repeat_interleave(GAMMA)  # noqa: E731
                 p_d = warp_probs(blk.base_logits.reshape(m * GAMMA, V), rep(temp), rep(top_k), rep(tp)).view(m, GAMMA, V)
             bug = variant == "residual_from_target"
-            patched = functools.partial(verifier.verify, residual_from="target") if bug else verifier.verify
             tokens: list[list[int]] = [[] for _ in range(m)]
             accepted = [0] * m
             todo = list(range(m))
@@ -265,7 +263,7 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
                     t_rows = torch.cat([rows[j, : 1 + ells[i]] for j, i in enumerate(todo)])
                     d_rows = torch.cat([p_d[i, : ells[i]] for i in todo])
                     d_toks = torch.cat([ds.tokens[i, : ells[i]] for i in todo])
-                with mock.patch.object(verifier, "verify", patched):
+                with residual_from_target() if bug else nullcontext():
                     res = spec_round(
                         t_rows, d_rows, d_toks, [ells[i] for i in todo], [f.p] * len(todo),
                         temp[idx], top_k[idx], tp[idx], [gens[i] for i in todo],

@@ -41,6 +41,7 @@ from torch import nn
 from runtime.dspark.confidence_head import ConfidenceHead, calibrated_confidence
 from runtime.dspark.config import DrafterConfig
 from runtime.dspark.markov_head import MarkovHead, apply_markov, build_markov_head
+from runtime.kernels.dispatch import kernel_path, markov_sample
 from runtime.models.llama import MLP, Attention, LlamaConfig, LlamaModel, RMSNorm, Rotary
 from runtime.sampler import sample, uniform, warp_probs
 
@@ -297,9 +298,7 @@ def sample_block(
 def _fused_markov_ok(markov, base_logits, top_k, top_p) -> bool:
     """The fused Markov sampler (``runtime.kernels``) applies: vanilla head, temperature
     only (no row uses top-k/top-p), and the kernel path is on (CUDA, or forced by
-    ``SPARKGATE_KERNELS`` — see :func:`runtime.dspark.verifier.kernel_path`)."""
-    from runtime.dspark.verifier import kernel_path
-
+    ``SPARKGATE_KERNELS`` — see :func:`runtime.kernels.dispatch.kernel_path`)."""
     return (
         markov is not None
         and markov.variant == "vanilla"
@@ -313,8 +312,6 @@ def _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temper
     """:func:`sample_block` through ``runtime.kernels.markov_sample`` (Triton on CUDA).
 
     Random numbers: γ uniforms per request (one per slot, also for greedy rows)."""
-    from runtime.kernels.dispatch import markov_sample
-
     B, gamma, _ = base_logits.shape
     device = base_logits.device
     u = torch.stack([uniform(g, gamma, device=device) for g in generators]) if B else base_logits.new_zeros(0, gamma)

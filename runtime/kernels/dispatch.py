@@ -1,12 +1,14 @@
-"""Backend choice for the verification kernels: Triton on CUDA, torch reference elsewhere.
+"""Backend choice for the GPU kernels: Triton on CUDA, torch elsewhere.
 
-:func:`verify_chain` and :func:`markov_sample` take the same arguments as the
-reference functions (:mod:`runtime.kernels.reference`) and return the same
-results. The Triton path is used when the inputs are CUDA tensors and ``triton``
-imports; otherwise (CPU engine, no triton) the torch reference runs. The
-environment variable ``SPARKGATE_KERNELS`` overrides: ``reference`` forces the
-torch path, ``triton`` forces Triton (an error if it cannot import; on CPU tensors
-this only works under ``TRITON_INTERPRET=1``), ``auto`` (default) as above.
+:func:`backend_for` picks the backend of the verification kernel (called by
+:func:`runtime.dspark.verifier.verify`, whose torch path is the kernel's
+specification) and of :func:`markov_sample`, which takes the same arguments as
+:func:`~runtime.kernels.reference.markov_sample_reference` and returns the same
+result. The Triton path is used when the inputs are CUDA tensors and ``triton``
+imports; otherwise (CPU engine, no triton) torch runs. The environment variable
+``SPARKGATE_KERNELS`` (read by :func:`kernels_mode` only) overrides: ``reference``
+forces the torch path, ``triton`` forces Triton (an error if it cannot import; on
+CPU tensors this only works under ``TRITON_INTERPRET=1``), ``auto`` (default) as above.
 
 The fused Markov sampler implements temperature only. A request that uses top-k
 or top-p (:func:`fused_markov_supported` is False) must be drafted through the
@@ -21,7 +23,7 @@ import functools
 import torch
 
 from runtime.config import env
-from runtime.kernels.reference import MarkovResult, VerifyResult, markov_sample_reference, verify_chain_reference
+from runtime.kernels.reference import MarkovResult, markov_sample_reference
 
 _ENV = "SPARKGATE_KERNELS"
 
@@ -37,6 +39,26 @@ def triton_available() -> bool:
     return True
 
 
+def kernels_mode() -> str:
+    """``SPARKGATE_KERNELS``: ``"auto"`` (default, also when empty), ``"reference"`` or ``"triton"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = env(_ENV).strip().lower() or "auto"
+    if mode not in ("auto", "reference", "triton"):
+        raise ValueError(f"{_ENV} must be auto, reference or triton, got {mode!r}")
+    return mode
+
+
+def kernel_path(t: torch.Tensor) -> bool:
+    """Draft through the fused Markov sampler (:func:`markov_sample`) for inputs where
+    ``t`` lives? Yes on CUDA, or when ``SPARKGATE_KERNELS`` is ``reference``/``triton``
+    (so CPU tests exercise the path the GPU runs); ``auto`` on CPU keeps the drafter's
+    plain torch path."""
+    return t.is_cuda or kernels_mode() != "auto"
+
+
 def backend_for(t: torch.Tensor) -> str:
     """``"triton"`` or ``"reference"`` for inputs living where ``t`` lives.
 
@@ -44,9 +66,7 @@ def backend_for(t: torch.Tensor) -> str:
         ValueError: ``SPARKGATE_KERNELS`` is not auto/reference/triton.
         RuntimeError: ``SPARKGATE_KERNELS=triton`` but triton cannot be imported.
     """
-    mode = env(_ENV).lower()
-    if mode not in ("auto", "reference", "triton"):
-        raise ValueError(f"{_ENV} must be auto, reference or triton, got {mode!r}")
+    mode = kernels_mode()
     if mode == "reference":
         return "reference"
     if mode == "triton":
@@ -59,24 +79,6 @@ def backend_for(t: torch.Tensor) -> str:
 def fused_markov_supported(top_k: int = 0, top_p: float = 1.0) -> bool:
     """Whether a request's sampling params fit the fused Markov sampler (temperature only)."""
     return top_k <= 0 and top_p >= 1.0
-
-
-def verify_chain(
-    p_target: torch.Tensor,
-    p_draft: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_sample: torch.Tensor,
-    *,
-    max_len: int | None = None,
-) -> VerifyResult:
-    """Ragged chain speculative sampling (contract: :func:`~runtime.kernels.reference.verify_chain_reference`)."""
-    if backend_for(p_target) == "triton":
-        from runtime.kernels.triton_verify import verify_chain_triton
-
-        return verify_chain_triton(p_target, p_draft, draft_tokens, lengths, u_accept, u_sample, max_len=max_len)
-    return verify_chain_reference(p_target, p_draft, draft_tokens, lengths, u_accept, u_sample, max_len=max_len)
 
 
 def markov_sample(
@@ -97,4 +99,4 @@ def markov_sample(
     return markov_sample_reference(base_logits, w1, w2, anchors, temperature, uniforms, return_probs=return_probs)
 
 
-__all__ = ["triton_available", "backend_for", "fused_markov_supported", "verify_chain", "markov_sample"]
+__all__ = ["triton_available", "kernels_mode", "kernel_path", "backend_for", "fused_markov_supported", "markov_sample"]

@@ -1,12 +1,12 @@
-"""Torch reference of the GPU verification kernels (the specification they must match).
+"""Torch side of the GPU kernels: the exact draw, the ragged layout, the Markov reference.
 
-Two pure functions of pre-drawn uniforms, so a kernel and this reference can be
-compared token for token:
+Kernel and torch are pure functions of pre-drawn uniforms, so they can be compared
+token for token:
 
-* :func:`verify_chain_reference` — ragged chain speculative sampling
-  (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-  Decoding", Alg. 1 / §2.3; Chen et al. 2023; DSpark notes "Speculative decoding
-  recap").
+* ragged chain speculative sampling — its torch implementation (and so the
+  reference of ``triton_verify``) is the one verification module,
+  :func:`runtime.dspark.verifier.verify_chain`; this module holds the layout helpers
+  (:func:`chain_offsets`, :func:`check_chain_shapes`) both share.
 * :func:`markov_sample_reference` — DSpark's Markov-head left-to-right draft
   sampling (paper §3.1, "Markov head"): logits_k = U_k + W1[x_{k−1}]·W2, x_0 = anchor.
 
@@ -58,21 +58,6 @@ MAX_VOCAB = 1 << 22
 _QSCALE = float(1 << QUANT_BITS)
 _USCALE = float(1 << UNIFORM_BITS)
 _UMASK = (1 << UNIFORM_BITS) - 1
-
-
-class VerifyResult(NamedTuple):
-    """Output of the ragged chain verification (reference and kernel alike).
-
-    Attributes:
-        num_accepted: int64 ``[R]``, τ_r − 1 ∈ [0, ℓ_r] accepted draft tokens.
-        output_tokens: int64 ``[R, max_ℓ + 1]``: the accepted drafts, then the
-            resampled (first rejection) or bonus (all accepted) token, padded with −1.
-        num_emitted: int64 ``[R]``, num_accepted + 1 (τ_r, bonus included).
-    """
-
-    num_accepted: torch.Tensor
-    output_tokens: torch.Tensor
-    num_emitted: torch.Tensor
 
 
 class MarkovResult(NamedTuple):
@@ -148,16 +133,10 @@ def chain_offsets(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t_off, d_off
 
 
-def check_chain_shapes(
-    p_target: torch.Tensor,
-    p_draft: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_sample: torch.Tensor,
-    max_len: int | None,
-) -> int:
-    """Validate the ragged layout; returns max_ℓ (one host sync unless ``max_len`` given).
+def check_chain_shapes(p_target, p_draft, draft_tokens, lengths, u_accept, u_sample, max_len: int | None) -> int:
+    """Validate the ragged layout of the chain verification's tensors (the arguments of
+    :func:`runtime.dspark.verifier.verify_chain`, same names, types and shapes); returns
+    max_ℓ (one host sync unless ``max_len`` given).
 
     Raises:
         ValueError: wrong ranks, row counts inconsistent with ``lengths``, V too
@@ -184,86 +163,6 @@ def check_chain_shapes(
             raise ValueError("lengths must be >= 0")
         return int(mx)
     return int(max_len)
-
-
-def verify_chain_reference(
-    p_target: torch.Tensor,
-    p_draft: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_sample: torch.Tensor,
-    *,
-    max_len: int | None = None,
-) -> VerifyResult:
-    """Ragged chain rejection sampling, vectorised over requests (torch reference).
-
-    Layout (requests r = 0..R−1 in order, no padding; :func:`chain_offsets`):
-    request r owns p_target rows ``t_off[r] .. t_off[r] + ℓ_r`` — row ``t_off[r]+k``
-    (k < ℓ_r) is the target distribution judging draft k (0-based), the last row is
-    the bonus distribution — and p_draft / draft_tokens / u_accept rows
-    ``d_off[r] .. d_off[r] + ℓ_r − 1``.
-
-    Semantics: left to right, draft k with token x is accepted iff
-    ``u_accept · p_d(x) < p_t(x)`` in fp32 (a division-free form of u < p_t/p_d, so
-    acceptance has probability min(1, p_t/p_d)). p_d(x) = 0 gives 0 < p_t(x):
-    accepted iff p_t(x) > 0 (min(1, p_t/0) = 1); p_t(x) = 0 always rejects. At the
-    first rejection k the extra token is drawn from max(0, p_t − p_d) (fp32
-    difference; normalisation is implicit in the draw) with ``u_sample[r]`` by the
-    exact inverse-CDF draw (module docstring); if that residual has zero quantised
-    mass (p_t ≤ p_d everywhere — only possible by round-off, or after rejecting a
-    token with p_t(x) = p_d(x) = 0) it falls back to p_t itself. If all ℓ_r are
-    accepted the bonus token is drawn from the last row the same way.
-
-    Args:
-        p_target: fp32 ``[Σ(ℓ_r+1), V]`` target probabilities.
-        p_draft: fp32 ``[Σℓ_r, V]`` draft probabilities the drafts were drawn from.
-        draft_tokens: int64 ``[Σℓ_r]`` in [0, V).
-        lengths: int32/int64 ``[R]`` ℓ_r ≥ 0.
-        u_accept: fp32 ``[Σℓ_r]`` uniforms in [0, 1).
-        u_sample: fp32 ``[R]`` uniforms in [0, 1).
-        max_len: max ℓ_r if known (skips a host sync; must be ≥ the true max).
-
-    Returns:
-        :class:`VerifyResult` on p_target's device.
-
-    Raises:
-        ValueError: see :func:`check_chain_shapes`.
-    """
-    max_l = check_chain_shapes(p_target, p_draft, draft_tokens, lengths, u_accept, u_sample, max_len)
-    dev = p_target.device
-    R, V = lengths.numel(), p_target.shape[1]
-    lens = lengths.to(dev, torch.int64)
-    t_off, d_off = chain_offsets(lens)
-    k = torch.arange(max_l, device=dev)
-    valid = k.unsqueeze(0) < lens.unsqueeze(1)  # [R, max_l]
-    d_rows = torch.where(valid, d_off.unsqueeze(1) + k, 0)
-    t_rows = t_off.unsqueeze(1) + k
-    if p_draft.shape[0] > 0:
-        x = draft_tokens.to(dev, torch.int64)[d_rows]
-        pt_x = p_target.float()[torch.where(valid, t_rows, 0), x]
-        pd_x = p_draft.float()[d_rows, x]
-        u = u_accept.to(dev, torch.float32)[d_rows]
-        accept = (u * pd_x < pt_x) | ~valid
-    else:
-        x = torch.zeros(R, max_l, dtype=torch.int64, device=dev)
-        accept = torch.ones(R, max_l, dtype=torch.bool, device=dev)
-    # Accepted length: number of leading accepts, capped at ℓ_r.
-    n_acc = torch.minimum(accept.to(torch.int64).cumprod(1).sum(1), lens)
-    rejected = n_acc < lens
-    pt_row = p_target.float()[t_off + n_acc]
-    pd_row = p_draft.float()[torch.where(rejected, d_off + n_acc, 0)] if p_draft.shape[0] > 0 else torch.zeros_like(pt_row)
-    resid = pt_row - torch.where(rejected.unsqueeze(1), pd_row, torch.zeros_like(pd_row))
-    q_res = quantize_weights(resid)
-    use_res = q_res.sum(1) > 0
-    weights = torch.where(use_res.unsqueeze(1), resid, pt_row)
-    extra = inverse_cdf_draw(weights, u_sample.to(dev, torch.float32))
-    out = torch.full((R, max_l + 1), -1, dtype=torch.int64, device=dev)
-    cols = torch.arange(max_l + 1, device=dev).unsqueeze(0)
-    if max_l > 0:
-        out[:, :max_l] = torch.where(k.unsqueeze(0) < n_acc.unsqueeze(1), x, -1)
-    out = torch.where(cols == n_acc.unsqueeze(1), extra.unsqueeze(1), out)
-    return VerifyResult(num_accepted=n_acc, output_tokens=out, num_emitted=n_acc + 1)
 
 
 def check_markov_shapes(
@@ -360,7 +259,6 @@ __all__ = [
     "QUANT_BITS",
     "UNIFORM_BITS",
     "MAX_VOCAB",
-    "VerifyResult",
     "MarkovResult",
     "quantize_weights",
     "cdf_threshold",
@@ -368,6 +266,5 @@ __all__ = [
     "chain_offsets",
     "check_chain_shapes",
     "check_markov_shapes",
-    "verify_chain_reference",
     "markov_sample_reference",
 ]

@@ -1,8 +1,9 @@
 """Triton kernel: ragged chain speculative sampling (Leviathan et al. 2023, Alg. 1).
 
-Same contract, bit for bit, as :func:`runtime.kernels.reference.verify_chain_reference`
-(read its docstring for the layout and the accept / residual / bonus rules, and
-the reference module docstring for the exact integer inverse-CDF draw).
+Same contract, bit for bit, as the standard mode of the one verification module,
+:func:`runtime.dspark.verifier.verify_chain` (read it and the verifier's module docstring
+for the layout and the accept / residual / bonus rules, and
+:mod:`runtime.kernels.reference` for the exact integer inverse-CDF draw).
 
 One program per request r:
 
@@ -28,10 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.reference import QUANT_BITS, UNIFORM_BITS, VerifyResult, chain_offsets, check_chain_shapes
-
-_QSCALE = float(1 << QUANT_BITS)
-_USCALE = float(1 << UNIFORM_BITS)
+from runtime.kernels.reference import chain_offsets, check_chain_shapes
 
 
 @triton.jit
@@ -59,9 +57,8 @@ def _verify_chain_kernel(
     doff_ptr,
     ua_ptr,
     us_ptr,
-    out_ptr,
+    next_ptr,
     nacc_ptr,
-    OUT_W,
     stride_t,
     stride_d,
     V: tl.constexpr,
@@ -108,12 +105,7 @@ def _verify_chain_kernel(
         cum = carry + tl.cumsum(q, axis=0)
         count += tl.sum(((cum <= thr) & vm).to(tl.int64), axis=0)
         carry += tl.sum(q, axis=0)
-    tok = tl.minimum(count, V - 1)
-
-    cols = tl.arange(0, BLOCK_K).to(tl.int64)
-    xs = tl.load(draft_ptr + d0 + cols, mask=cols < j, other=-1)
-    row = tl.where(cols == j, tok, tl.where(cols < j, xs, -1))
-    tl.store(out_ptr + r * OUT_W + cols, row, mask=cols < OUT_W)
+    tl.store(next_ptr + r, tl.minimum(count, V - 1))
     tl.store(nacc_ptr + r, j)
 
 
@@ -128,8 +120,9 @@ def verify_chain_triton(
     max_len: int | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
-) -> VerifyResult:
-    """Ragged chain speculative sampling on the GPU (Triton; bit-identical to the reference).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged chain speculative sampling on the GPU (Triton; bit-identical to
+    :func:`runtime.dspark.verifier.verify_chain`).
 
     Args:
         p_target: fp32 ``[Σ(ℓ_r+1), V]``; p_draft: fp32 ``[Σℓ_r, V]``;
@@ -142,7 +135,9 @@ def verify_chain_triton(
         num_warps: Triton warps per program.
 
     Returns:
-        :class:`~runtime.kernels.reference.VerifyResult`.
+        ``(accepted, next_tokens)`` int64 ``[R]`` each: the fields of
+        :class:`runtime.dspark.verifier.VerifyResult` (which
+        :func:`runtime.dspark.verifier.verify` wraps them in).
 
     Raises:
         ValueError: layout errors (:func:`~runtime.kernels.reference.check_chain_shapes`).
@@ -163,18 +158,17 @@ def verify_chain_triton(
     if ua.numel() == 0:
         ua = torch.zeros(1, dtype=torch.float32, device=dev)
     us = u_sample.to(dev, torch.float32).contiguous()
-    out = torch.empty(R, max_l + 1, dtype=torch.int64, device=dev)
+    nxt = torch.empty(R, dtype=torch.int64, device=dev)
     n_acc = torch.empty(R, dtype=torch.int64, device=dev)
     if R == 0:
-        return VerifyResult(n_acc, out, n_acc + 1)
+        return n_acc, nxt
     bv = block_v or min(8192, triton.next_power_of_2(V))
     bk = triton.next_power_of_2(max_l + 1)
     _verify_chain_kernel[(R,)](
-        pt, pd, drafts, lens, t_off, d_off, ua, us, out, n_acc,
-        max_l + 1, pt.stride(0), pd.stride(0),
+        pt, pd, drafts, lens, t_off, d_off, ua, us, nxt, n_acc, pt.stride(0), pd.stride(0),
         V=V, BLOCK_K=bk, BLOCK_V=bv, num_warps=num_warps,
     )  # fmt: skip
-    return VerifyResult(num_accepted=n_acc, output_tokens=out, num_emitted=n_acc + 1)
+    return n_acc, nxt
 
 
 __all__ = ["verify_chain_triton", "quantize_block", "cdf_threshold_scalar"]

@@ -1,6 +1,7 @@
 """Nothing tied to one machine: the eval and training prompts ship in ``data/`` (gzip, each
 file under its own licence, data/README.md), the drafter commands run from a bare clone on
-them, and no tracked file names a development machine's path."""
+them, no tracked file names a development machine's path, and tests never read the user's
+cache (tests/conftest.py ``isolated_cache_dir``)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def test_no_tracked_file_names_a_development_machine_path():
         if (REPO_ROOT / rel).exists():
             text = (REPO_ROOT / rel).read_text()
             assert not re.search(r'": "/', text), rel  # committed JSON holds no absolute path
+
+
+def test_tests_never_read_the_user_cache(isolated_cache_dir):
+    from runtime.dspark.profile_engine import sps_cache_dir
+    from runtime.models.loader import cache_dir
+
+    assert cache_dir() != isolated_cache_dir and not sps_cache_dir().resolve().is_relative_to(isolated_cache_dir)
+    assert (cache_dir() / "models").resolve() == (isolated_cache_dir / "models").resolve()  # shared: no reconversion
 
 
 @pytest.mark.model

@@ -25,17 +25,17 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from runtime.config import EngineConfig
+from runtime.dspark.data import read_jsonl
+from runtime.dspark.evaluate import task_file
 from runtime.engine import LLMEngine, load_tokenizer
 from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import load_target
 from runtime.models.loader import ensure_converted
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt-bench.jsonl"
 POLICY = [
     "Greet the customer by name when it is known and keep a friendly, professional tone.",
     "Never promise a delivery date that the warehouse system has not confirmed.",
@@ -51,7 +51,7 @@ POLICY = [
 
 
 def mt_bench() -> list[list[str]]:
-    return [json.loads(line)["turns"] for line in EVAL.read_text().splitlines() if line.strip()]
+    return [row["turns"] for row in read_jsonl(task_file("mt-bench"))]  # the shipped data/eval
 
 
 def long_system_prompt(tokenizer, target_tokens: int) -> str:

@@ -27,15 +27,14 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from runtime.dspark.evaluate import first_turns
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import ensure_converted
 from runtime.models.quant import quantize_llama_
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 VARIANTS = {
     "int8": lambda mdir: load_llama(mdir, torch.int8),
     "int8_fp32_head": lambda mdir: quantize_llama_(load_llama(mdir, torch.float32), lm_head=False),
@@ -48,8 +47,7 @@ def eval_prompts(n: int) -> list[str]:
     """First turns: the first ⌈n/3⌉ of mt-bench, gsm8k and humaneval (as tests/test_spec_engine.py)."""
     out: list[str] = []
     for name in ("mt-bench", "gsm8k", "humaneval"):
-        lines = (EVAL / f"{name}.jsonl").read_text().splitlines()
-        out += [json.loads(line)["turns"][0] for line in lines if line.strip()][: (n + 2) // 3]
+        out += first_turns(name)[: (n + 2) // 3]  # the shipped data/eval
     return out[:n]
 
 

@@ -7,7 +7,7 @@ Closed-loop clients: at concurrency c, c clients each submit a request, wait for
 to finish and immediately submit the next (``--requests-per-client`` each, capped at
 ``--max-requests-per-level`` requests per level: by default 2, 8 and 16 requests at
 c = 1, 4, 16); a client "reacts" between two engine steps. Requests: first-turn prompts from
-``/work/shared/data/eval`` (mt-bench, gsm8k, humaneval, round robin; chat template),
+the shipped ``data/eval`` (``--eval-dir``; mt-bench, gsm8k, humaneval, round robin; chat template),
 ``--max-tokens`` completion tokens each with ``ignore_eos`` (every request decodes
 the same length).
 
@@ -56,21 +56,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from runtime.config import EngineConfig  # noqa: E402
+from runtime.dspark.evaluate import EVAL_DIR, first_turns  # noqa: E402
 from runtime.engine import DTYPES, LLMEngine, load_tokenizer  # noqa: E402
 from runtime.interface import Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
 
-EVAL = ROOT.parent / "shared" / "data" / "eval"
 POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark-sla")
 
 
 # ------------------------------------------------------------------ prompts
-def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
+def load_prompts(tokenizer, n: int, max_prompt_tokens: int, eval_dir=EVAL_DIR) -> list[list[int]]:
     """n chat-templated first-turn prompts, round robin over three eval sets, each cut to
     its last ``max_prompt_tokens`` tokens."""
-    sets = []
-    for name in ("mt-bench", "gsm8k", "humaneval"):
-        rows = [json.loads(line)["turns"][0] for line in (EVAL / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-        sets.append(rows)
+    sets = [first_turns(name, eval_dir) for name in ("mt-bench", "gsm8k", "humaneval")]
     out = []
     for i in range(n):
         text = sets[i % 3][i // 3]
@@ -190,7 +187,7 @@ class Bench:
         self.model = load_llama(model_dir, DTYPES[args.dtype])
         self.tokenizer = load_tokenizer(model_dir)
         n = max(args.concurrency + [args.mixed_concurrency]) * args.requests_per_client + 4
-        self.prompts = load_prompts(self.tokenizer, n, args.max_prompt_tokens)
+        self.prompts = load_prompts(self.tokenizer, n, args.max_prompt_tokens, args.eval_dir)
         self.sps_table = None
         self.sps_profile_s = None
 
@@ -312,6 +309,7 @@ def main() -> None:
                     help="cap: requests per client = min(--requests-per-client, this // concurrency), ≥ 1")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--eval-dir", default=str(EVAL_DIR), help="holds mt-bench, gsm8k, humaneval (.jsonl.gz / .jsonl)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--gamma", type=int, default=7)

@@ -3,7 +3,7 @@
 Starts a Sparkgate server (real model, SQLite in a temp dir) unless ``--base-url``
 is given, drives closed-loop streaming clients (greedy, ``--max-tokens`` tokens,
 ``ignore_eos`` so every request decodes the same length) with first-turn prompts
-from ``../shared/data/eval/mt-bench.jsonl``, and prints one JSON document.
+from the shipped ``data/eval/mt-bench.jsonl.gz`` (``--eval-dir``), and prints one JSON document.
 With ``--hf-baseline`` it also measures plain transformers ``model.generate``
 (batch 1, same prompts, same dtype) in the same run.
 
@@ -34,15 +34,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.dspark.evaluate import EVAL_DIR, first_turns  # noqa: E402
 from runtime.interface import decode_tokens_per_s  # noqa: E402
-
-EVAL = ROOT.parent / "shared" / "data" / "eval"
-
-
-def load_prompts(name: str = "mt-bench", n: int = 80) -> list[str]:
-    path = EVAL / f"{name}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows][:n]
 
 
 async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, extra: dict) -> dict:
@@ -192,9 +185,10 @@ def main() -> None:
     ap.add_argument("--spec-method", default=None, help="server's SPARKGATE_SPEC_METHOD when started here")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--hf-requests", type=int, default=4)
+    ap.add_argument("--eval-dir", default=str(EVAL_DIR), help="holds mt-bench.jsonl.gz (or .jsonl)")
     args = ap.parse_args()
 
-    prompts = load_prompts()
+    prompts = first_turns("mt-bench", args.eval_dir)[:80]
     proc = None
     env_extra = {"SPARKGATE_DTYPE": args.dtype}
     if args.spec_method:

@@ -27,6 +27,27 @@ def require_or_skip(ok: bool, what: str) -> None:
     pytest.skip(f"{what} is missing (install it, or run .ci/run)")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache_dir(tmp_path_factory):
+    """``$SPARKGATE_CACHE_DIR`` → a fresh folder for the session, so nothing in the user's
+    cache (a cached SPS profile, the SQLite database) leaks into a test. Only the content-keyed
+    build products are shared with the real cache, by symlink: the converted model
+    (``models/``, ~14 s to convert) and the compiled C++ kernels (``torch_extensions/``)."""
+    from runtime.models.loader import cache_dir
+
+    real, tmp = cache_dir(), tmp_path_factory.mktemp("sparkgate-cache")
+    for name in ("models", "torch_extensions"):
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (tmp / name).symlink_to(real / name, target_is_directory=True)
+    old = os.environ.get("SPARKGATE_CACHE_DIR")
+    os.environ["SPARKGATE_CACHE_DIR"] = str(tmp)
+    yield real
+    if old is None:
+        os.environ.pop("SPARKGATE_CACHE_DIR")
+    else:
+        os.environ["SPARKGATE_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from runtime.models.loader import ensure_converted

@@ -14,15 +14,17 @@ from runtime.dspark.checkpoint import save_drafter
 from runtime.dspark.config import DrafterConfig
 from runtime.dspark.drafter import DSparkDrafter
 from runtime.dspark.evaluate import (
-    EVAL_DIR,
+    TASK_CAPS,
     BlockStats,
     DrafterMethod,
     PromptLookupMethod,
     evaluate,
     expected_tau,
+    first_turns,
     live_tau,
     load_eval_prompts,
     run_engine,
+    task_file,
     walk_rounds,
     write_report,
 )
@@ -32,14 +34,17 @@ MAX_NEW = 32
 
 
 def test_deepspec_prompt_selection():
-    ps = load_eval_prompts()
-    counts = {t: sum(p.task == t for p in ps) for t in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "alpaca")}
-    assert counts == {"gsm8k": 500, "math500": 500, "humaneval": 164, "mbpp": 256, "mt-bench": 80, "alpaca": 500}
-    rows = [json.loads(x)["turns"][0] for x in (EVAL_DIR / "gsm8k.jsonl").read_text().split("\n") if x.strip()]
+    shipped = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")  # alpaca is fetched (data/README.md)
+    ps = load_eval_prompts(tasks=shipped)
+    counts = {t: sum(p.task == t for p in ps) for t in shipped}
+    assert counts == {"gsm8k": 500, "math500": 500, "humaneval": 164, "mbpp": 256, "mt-bench": 80}
+    rows = first_turns("gsm8k")
+    assert len(rows) == 1319
     random.Random(980406).shuffle(rows)
     assert [p.text for p in ps if p.task == "gsm8k"][:3] == rows[:3]
-    mt = [json.loads(x)["turns"][0] for x in (EVAL_DIR / "mt-bench.jsonl").read_text().split("\n") if x.strip()]
-    assert [p.text for p in ps if p.task == "mt-bench"] == mt  # 80 ≤ cap: file order kept
+    assert [p.text for p in ps if p.task == "mt-bench"] == first_turns("mt-bench")  # 80 ≤ cap: file order kept
+    # default: every task with a file (the five shipped, plus alpaca once fetched)
+    assert {p.task for p in load_eval_prompts()} == {t for t in TASK_CAPS if task_file(t)} >= set(shipped)
     assert len(load_eval_prompts(tasks=["mbpp", "gsm8k"], max_samples=2)) == 4
 
 
@@ -204,7 +209,8 @@ def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_pa
     assert rep["n_valid"][0] == rep["anchors"]
     k1 = rep["ece_after"][0], rep["ece_before"][0]
     assert k1[0] <= k1[1] + 1e-9  # the fit never makes position 1 worse than T = 1
-    assert json.loads((ck / "calibration.json").read_text())["temperatures"] == rep["temperatures"]
+    on_disk = json.loads((ck / "calibration.json").read_text())
+    assert on_disk["temperatures"] == rep["temperatures"] and "checkpoint" not in on_disk  # no machine path
 
 
 @pytest.mark.model

@@ -4,28 +4,21 @@ on accepted blocks, and honest per-request stats (the bug classes in docs/dspark
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.config import EngineConfig
+from runtime.dspark.evaluate import first_turns
 from runtime.engine import LLMEngine
 from runtime.interface import FinishReason, GenerationRequest, SamplingParams, TextDelta
 from runtime.sequence import SeqStatus
 
 pytestmark = pytest.mark.model
 
-EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
-
-
 def eval_prompts(n: int) -> list[str]:
-    out = []
-    for name in ("mt-bench", "gsm8k", "humaneval"):
-        rows = [json.loads(line)["turns"][0] for line in (EVAL / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-        out += rows[: (n + 2) // 3]
-    return out[:n]
+    """The first ⌈n/3⌉ first turns of the shipped mt-bench, gsm8k and humaneval (data/eval)."""
+    return [t for name in ("mt-bench", "gsm8k", "humaneval") for t in first_turns(name)[: (n + 2) // 3]][:n]
 
 
 def chat_ids(tokenizer, text):

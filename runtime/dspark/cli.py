@@ -1,7 +1,7 @@
 """Command-line entry points of the drafter pipeline: ``regen``, ``build-features``, ``train``, ``calibrate``, ``eval``.
 
     python -m runtime.dspark.cli regen     [--num-prompts 5500] [--limit N] ...
-    python -m runtime.dspark.cli build-features --out /work/features   # teacher features, once (~10 GB)
+    python -m runtime.dspark.cli build-features --out FEATURES_DIR   # teacher features, once (~10 GB)
     python -m runtime.dspark.cli train     --out runtime/dspark/checkpoints/candidate [--feature-cache DIR] ...
     python -m runtime.dspark.cli calibrate --checkpoint DIR
     python -m runtime.dspark.cli eval      --checkpoint DIR [--max-samples 20] ...
@@ -22,11 +22,12 @@ from pathlib import Path
 
 
 def _add_regen(sub) -> None:
-    from runtime.dspark.data import DEFAULT_OUT, RegenConfig
+    from runtime.dspark.data import DEFAULT_OUT, TRAIN_DIR, RegenConfig
 
     d = RegenConfig()
     p = sub.add_parser("regen", help="regenerate training responses with the target (resumable)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="data dir (shards + manifest)")
+    p.add_argument("--train-dir", default=str(TRAIN_DIR), help="training prompts (*.jsonl.gz / *.jsonl)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="length of the balanced prompt order")
     p.add_argument("--limit", type=int, default=None, help="stop after N new prompts (throughput runs)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -66,13 +67,14 @@ def _stop_on_sigterm() -> None:
 
 def _run_regen(a) -> int:
     from runtime.config import resolve_dtype
-    from runtime.dspark.data import RegenConfig, regenerate, summarize
+    from runtime.dspark.data import RegenConfig, regenerate, repo_relative, summarize
 
     _stop_on_sigterm()
 
     cfg = RegenConfig(
         num_prompts=a.num_prompts, seed=a.seed, temperature=a.temperature, top_p=a.top_p,
         max_new_tokens=a.max_new_tokens, max_batch_size=a.max_batch_size, dtype=resolve_dtype(a.dtype),
+        train_dir=repo_relative(a.train_dir),
     )  # fmt: skip
     st = regenerate(cfg, a.out, shard_size=a.shard_size, limit=a.limit, num_threads=a.threads,
                     progress=not a.no_progress)
@@ -203,7 +205,8 @@ def _run_calibrate(a) -> int:
 
 def _add_eval(sub) -> None:
     from runtime.config import EngineConfig
-    from runtime.dspark.evaluate import TASK_CAPS
+    from runtime.dspark.data import REPO_ROOT
+    from runtime.dspark.evaluate import EVAL_DIR, TASK_CAPS
 
     p = sub.add_parser("eval", help="τ on the DeepSpec eval sets (T=0 exact, T=1 expected)")
     p.add_argument("--checkpoint", default=None, help="DSpark drafter checkpoint (method 'dspark')")
@@ -220,14 +223,16 @@ def _add_eval(sub) -> None:
     p.add_argument("--no-prompt-lookup", action="store_true")
     p.add_argument("--lookup-gamma", type=int, default=EngineConfig().num_speculative_tokens,
                    help="prompt lookup's proposal length (default: the engine's num_speculative_tokens, as served)")
-    p.add_argument("--tasks", default=",".join(TASK_CAPS))
+    p.add_argument("--tasks", default=None, help=f"comma-separated, of {','.join(TASK_CAPS)} (default: those "
+                   "with a file in --eval-dir)")
+    p.add_argument("--eval-dir", default=str(EVAL_DIR), help="<task>.jsonl.gz / <task>.jsonl files")
     p.add_argument("--max-samples", type=int, default=None, help="first N prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--live-t1", type=int, default=0, metavar="N",
                    help="also measure τ by live T=1 speculative decoding on the first N prompts per task")
     p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
-    p.add_argument("--report", default="docs/drafter-eval", help="writes REPORT.md, REPORT-tau.png, "
+    p.add_argument("--report", default=str(REPO_ROOT / "docs" / "drafter-eval"), help="writes REPORT.md, REPORT-tau.png, "
                    "REPORT-position.png, REPORT.json")
     p.add_argument("--title", default="Drafter τ (DeepSpec protocol)")
     p.add_argument("--threads", type=int, default=2)
@@ -274,14 +279,15 @@ def _run_eval(a) -> int:
         methods.append(DrafterMethod("random-init", DSparkDrafter(target, DrafterConfig())))
     if not a.no_prompt_lookup:
         methods.append(PromptLookupMethod(a.lookup_gamma))
-    prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.max_samples)
+    tasks = a.tasks.split(",") if a.tasks else None
+    prompts = load_eval_prompts(a.eval_dir, tasks, max_samples=a.max_samples)
     res = evaluate(target, tok, methods, prompts, max_new_tokens=a.max_new_tokens,
                    temperatures=[float(t) for t in a.temperatures.split(",")], progress=not a.no_progress)
     res["checkpoints"] = {"dspark": a.checkpoint, "parallel": a.parallel_checkpoint,
                           "dspark-previous": a.previous_checkpoint}
     res["as_served"] = bool(a.as_served)
     if a.live_t1:
-        live_prompts = load_eval_prompts(tasks=a.tasks.split(","), max_samples=a.live_t1)
+        live_prompts = load_eval_prompts(a.eval_dir, tasks, max_samples=a.live_t1)
         live = {m.name: live_tau(target, tok, live_prompts, "prompt_lookup" if m.name == "prompt-lookup" else m.name,
                                  res["checkpoints"].get(m.name),
                                  gamma=m.gamma, max_new_tokens=a.max_new_tokens)

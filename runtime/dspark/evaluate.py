@@ -1,6 +1,8 @@
 """Acceptance-length (τ) evaluation of drafters, DeepSpec protocol (paper §4, Table 1).
 
-Prompts. ``/work/shared/data/eval/<task>.jsonl``, first turn only; a file with
+Prompts. ``data/eval/<task>.jsonl.gz`` (shipped; provenance, licences and the
+alpaca fetch command in ``data/README.md``) or a plain ``<task>.jsonl`` in another
+``eval_dir``, first turn only; a file with
 more rows than its cap (:data:`TASK_CAPS`) is shuffled with
 ``random.Random(980406).shuffle`` and cut to the cap; ``max_samples`` keeps the
 first N per task after that. Chat template applied as the gateway does;
@@ -46,11 +48,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from runtime.dspark.data import DATA_DIR, read_jsonl
 from runtime.dspark.features import all_anchors, target_log_probs, teacher_forward
 from runtime.dspark.markov_head import apply_markov
 from runtime.dspark.prompt_lookup import propose_ngram
 
-EVAL_DIR = Path("/work/shared/data/eval")
+EVAL_DIR = DATA_DIR / "eval"
 TASK_CAPS = {"gsm8k": 500, "math500": 500, "humaneval": 164, "mbpp": 256, "mt-bench": 80, "alpaca": 500}
 SHUFFLE_SEED = 980406
 EOS = 2
@@ -65,13 +68,31 @@ class EvalPrompt:
     text: str
 
 
+def task_file(task: str, eval_dir: str | Path = EVAL_DIR) -> Path | None:
+    """``<task>.jsonl.gz`` or else ``<task>.jsonl`` in ``eval_dir``; ``None`` if neither exists."""
+    return next((p for p in (Path(eval_dir, f"{task}.jsonl.gz"), Path(eval_dir, f"{task}.jsonl")) if p.exists()), None)
+
+
+def first_turns(task: str, eval_dir: str | Path = EVAL_DIR) -> list[str]:
+    """First user turns of a task's file, in file order (no cap, no shuffle).
+
+    Raises:
+        FileNotFoundError: no file for ``task`` (alpaca is not shipped: data/README.md).
+    """
+    path = task_file(task, eval_dir)
+    if path is None:
+        raise FileNotFoundError(f"no {task}.jsonl.gz or {task}.jsonl in {eval_dir} (see data/README.md)")
+    return [row["turns"][0] for row in read_jsonl(path)]
+
+
 def load_eval_prompts(
-    eval_dir: str | Path = EVAL_DIR, tasks: Sequence[str] = tuple(TASK_CAPS), max_samples: int | None = None
+    eval_dir: str | Path = EVAL_DIR, tasks: Sequence[str] | None = None, max_samples: int | None = None
 ) -> list[EvalPrompt]:
-    """First turns of each task after DeepSpec's cap/shuffle, then the first ``max_samples``."""
+    """First turns of each task (default: those with a file in ``eval_dir``) after DeepSpec's
+    cap/shuffle, then the first ``max_samples``."""
     out: list[EvalPrompt] = []
-    for task in tasks:
-        rows = [json.loads(x)["turns"][0] for x in Path(eval_dir, f"{task}.jsonl").read_text().split("\n") if x.strip()]
+    for task in tasks or [t for t in TASK_CAPS if task_file(t, eval_dir)]:
+        rows = first_turns(task, eval_dir)
         if len(rows) > TASK_CAPS[task]:
             random.Random(SHUFFLE_SEED).shuffle(rows)
             rows = rows[: TASK_CAPS[task]]
@@ -740,5 +761,6 @@ def calibrate_sts(
         meta = json.loads(cfg_path.read_text())
         meta["drafter"]["sts_temperatures"] = [float(t) for t in res.temperatures]
         cfg_path.write_text(json.dumps(meta, indent=2) + "\n")
-        (ckpt / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+        on_disk = {k: v for k, v in report.items() if k != "checkpoint"}  # the file sits in it: no path recorded
+        (ckpt / "calibration.json").write_text(json.dumps(on_disk, indent=2) + "\n")
     return report

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.dspark.config import DrafterConfig
+from runtime.dspark.data import DEFAULT_OUT, REPO_ROOT, repo_relative
 from runtime.dspark.drafter import DSparkDrafter
 from runtime.dspark.features import (
     BlockTargets,
@@ -284,7 +285,8 @@ def micro_batch_loss(
 
 @dataclass
 class TrainConfig:
-    """Training run settings (stored in ``train_state.pt`` / ``train_config.json``).
+    """Training run settings (stored in ``train_state.pt`` / ``train_config.json``, there
+    with repository-relative paths and without ``out``: :meth:`record`).
 
     Attributes:
         data_dir: regenerated data (:mod:`runtime.dspark.data`).
@@ -326,8 +328,8 @@ class TrainConfig:
             — time a step both ways on a new CPU).
     """
 
-    data_dir: str = "data/drafter"
-    out: str = "runtime/dspark/checkpoints/candidate"
+    data_dir: str = str(DEFAULT_OUT)
+    out: str = str(REPO_ROOT / "runtime" / "dspark" / "checkpoints" / "candidate")
     drafter: dict = field(default_factory=lambda: DrafterConfig().to_dict())
     seqs_per_micro: int = 4
     anchors_per_seq: int = 24
@@ -352,6 +354,12 @@ class TrainConfig:
     teacher_dtype: str = "bfloat16"
     feature_cache: str | None = None
     compute_dtype: str = "float32"
+
+    def record(self) -> dict:
+        """The settings as ``train_config.json`` holds them: paths repository-relative
+        (:func:`runtime.dspark.data.repo_relative`), ``out`` left out (the file sits in it)."""
+        d = {k: v for k, v in asdict(self).items() if k != "out"}
+        return d | {k: repo_relative(d[k]) for k in ("data_dir", "init", "draft_vocab", "feature_cache") if d[k]}
 
 
 def init_drafter(target, cfg: TrainConfig) -> DSparkDrafter:
@@ -511,7 +519,7 @@ def train(cfg: TrainConfig, target=None, data=None, resume: bool = True, progres
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if st is not None:
         opt.load_state_dict(st["optim"])
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    (out / "train_config.json").write_text(json.dumps(cfg.record(), indent=2) + "\n")
 
     train_idx = data.indices("train")
     val_idx = data.indices("heldout")[: cfg.val_seqs]

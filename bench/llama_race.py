@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_bench import level_summary, load_prompts, run_level, start_server  # noqa: E402
+from runtime.dspark.evaluate import first_turns  # noqa: E402
+from serve_bench import level_summary, run_level, start_server  # noqa: E402
 
 EOS_ID = 2  # <|im_end|>
 
@@ -221,7 +222,7 @@ def main() -> None:
     ap.add_argument("--png", type=Path, default=None)
     args = ap.parse_args()
 
-    prompts = load_prompts()
+    prompts = first_turns("mt-bench")[:80]
     contenders = []
     for spec in args.methods:
         method, _, ckpt = spec.partition("@")  # METHOD@DIR: serve the drafter checkpoint DIR

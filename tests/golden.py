@@ -66,7 +66,8 @@ def run_method(model, tokenizer, method: str, policy: str) -> dict[str, dict]:
 
     events: dict[str, list] = {}
     cfg = EngineConfig(dtype="float32", max_batch_size=len(PROMPTS), max_context=1024, spec_method=method,
-                       spec_policy=policy, spec_gate=False, sps_table_path=str(SPS_TABLE))
+                       spec_policy=policy, spec_gate=False, sps_table_path=str(SPS_TABLE),
+                       request_timeout_s=3600.0)  # a loaded 2-core CPU must not time the batch out
     engine = LLMEngine(cfg, lambda rid, ev: events.setdefault(rid, []).append(ev), model=model, tokenizer=tokenizer)
     for i, text in enumerate(PROMPTS):
         engine.add_request(GenerationRequest(str(i), chat_ids(tokenizer, text),

@@ -30,7 +30,8 @@ def run(model, tokenizer, prompts, sampling, setup=None, **cfg):
     """Run ``prompts`` to completion; ``setup(engine)`` (optional) runs before the first step."""
     events: dict[str, list] = {}
     engine = LLMEngine(
-        EngineConfig(**{"dtype": "float32", "max_batch_size": len(prompts), "max_context": 1024, **cfg}),
+        EngineConfig(**{"dtype": "float32", "max_batch_size": len(prompts), "max_context": 1024,
+                       "request_timeout_s": 3600.0, **cfg}),  # a loaded CPU must not time the batch out
         lambda rid, ev: events.setdefault(rid, []).append(ev),
         model=model,
         tokenizer=tokenizer,

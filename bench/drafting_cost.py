@@ -40,6 +40,7 @@ from runtime.dspark import fast_drafter  # noqa: E402
 from runtime.dspark.drafter import DSparkDrafter  # noqa: E402
 from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
+from runtime.sampler import SamplingBatch  # noqa: E402
 from runtime.speculator import DEFAULT_CHECKPOINT  # noqa: E402
 
 
@@ -94,10 +95,8 @@ def main() -> None:
         hidden = drafter.forward_block(drafter.block_inputs(anchors, g), slots, dcache)
         flat = hidden.reshape(B * g, -1)
         block = drafter.propose(anchors, slots, dcache)
-        temp = torch.zeros(B)
-        top_k = torch.zeros(B, dtype=torch.long)
-        top_p = torch.ones(B)
-        gens = [torch.Generator().manual_seed(s) for s in slots]
+        sampling = SamplingBatch(torch.zeros(B), torch.zeros(B, dtype=torch.long), torch.ones(B),
+                                 [torch.Generator().manual_seed(s) for s in slots])
         with torch.inference_mode():
             row = {
                 "batch": B,
@@ -106,10 +105,10 @@ def main() -> None:
                 "draft_backbone_ms": timed(lambda: drafter.forward_block(drafter.block_inputs(anchors, g), slots, dcache),
                                            args.reps),
                 "draft_lm_head_ms": timed(lambda: target.lm_head(flat), args.reps),
-                "draft_sample_ms": timed(lambda: drafter.sample_block(block, anchors, temp, top_k, top_p, gens), args.reps),
+                "draft_sample_ms": timed(lambda: drafter.sample_block(block, anchors, sampling), args.reps),
                 "draft_round_ms_by_slots": {
                     k: timed(lambda k=k: drafter.sample_block(drafter.propose(anchors, slots, dcache, block_size=k),
-                                                              anchors, temp[:B], top_k, top_p, gens), args.reps)
+                                                              anchors, sampling), args.reps)
                     for k in range(1, g + 1)
                 },
             }
@@ -119,7 +118,7 @@ def main() -> None:
             row["eager_context_ms"] = timed(
                 lambda: (drafter.extend_context(dcache, taps2, [0], [2]), dcache.truncate(0, base[0])), args.reps)
             if fast is not None:
-                row["fused_draft_ms"] = timed(lambda: fast.draft(anchors, slots, dcache, g, temp, top_k, top_p, gens),
+                row["fused_draft_ms"] = timed(lambda: fast.draft(anchors, slots, dcache, g, sampling),
                                               args.reps)
                 row["fused_context_ms"] = timed(
                     lambda: (fast.extend_context(dcache, taps2, [0], [2]), dcache.truncate(0, base[0])), args.reps)

@@ -10,7 +10,8 @@ from typing import Iterable
 
 from gateway.errors import invalid_request, model_not_found, unsupported
 from gateway.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, BaseCompletionRequest
-from runtime.interface import BackendInfo, GenerationRequest, SamplingParams
+from gateway.observe import RequestContext
+from runtime.interface import BackendInfo, GenerationRequest, SamplingParams, clamp_max_tokens
 
 # OpenAI role → role given to the chat template. "developer" is OpenAI's newer name for "system".
 TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -152,8 +153,7 @@ def completion_budget(prompt_len: int, max_context: int, requested: int | None, 
             f"This model's maximum context length is {max_context} tokens. However, your {param} "
             f"resulted in {prompt_len} tokens. Please reduce the length of the {param}.",
             param, "context_length_exceeded")
-    room = max_context - prompt_len
-    return room if requested is None else min(requested, room)
+    return clamp_max_tokens(prompt_len, max_context, requested)  # the engine's own clamp
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -186,36 +186,35 @@ def prefix_cache_salt(scope: str, tenant: str | None, request_salt: str | None) 
 
 
 def generation_request(
-    request_id: str,
+    ctx: RequestContext,
     prompt_token_ids: list[int],
     body: BaseCompletionRequest,
-    max_tokens: int,
-    tenant: str | None,
-    user_label: str | None,
     timeout_s: float | None,
     logprobs: int | None = None,
     cache_scope: str = "tenant",
 ) -> GenerationRequest:
     """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
     ``logprobs`` from :func:`requested_logprobs`; ``cache_salt`` from
-    :func:`prefix_cache_salt`."""
+    :func:`prefix_cache_salt`; the rest from ``ctx``, once admission resolved its tier."""
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
-        max_tokens=max_tokens,
+        max_tokens=ctx.max_tokens,
         stop=stop_strings(body.stop),
         seed=body.seed,
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
     )
     return GenerationRequest(
-        request_id=request_id,
+        request_id=ctx.request_id,
         prompt_token_ids=list(prompt_token_ids),
         sampling=sampling,
-        tenant=tenant,
-        user=body.user or user_label,
+        tenant=ctx.tenant,
+        user=ctx.user,
+        sla_target_tokens_per_s=ctx.sla_target_tokens_per_s,
+        priority=ctx.priority,
         timeout_s=timeout_s,
         return_spec_stats=bool(body.return_spec_stats),
-        cache_salt=prefix_cache_salt(cache_scope, tenant, body.cache_salt),
+        cache_salt=prefix_cache_salt(cache_scope, ctx.tenant, body.cache_salt),
     )

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import time
 from typing import Callable
 
@@ -29,14 +28,7 @@ import torch
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.detokenizer import Detokenizer
 from runtime.interface import (
-    Event,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    MAX_TOP_LOGPROBS,
-    TextDelta,
-    TokenLogprob,
+    MAX_TOP_LOGPROBS, Event, Failed, Finished, FinishReason, GenerationRequest, TextDelta, TokenLogprob, clamp_max_tokens,
 )
 from runtime.models.gguf_weights import use_kernel_threads
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
@@ -44,7 +36,7 @@ from runtime.models.loader import MODEL_NAME, ensure_converted
 from runtime.dspark.gate import SpecGate
 from runtime.dspark.verifier import spec_round
 from runtime.logprobs import token_logprobs
-from runtime.sampler import params_to_tensors, sample, warp_probs
+from runtime.sampler import SamplingBatch, request_generator
 from runtime.prefix_cache import engine_prefix_cache
 from runtime.scheduler import BatchScheduler, StepPlan
 from runtime.sequence import Sequence, SeqStatus
@@ -132,15 +124,12 @@ class LLMEngine:
         if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
             self.emit(req.request_id, Failed(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {lp}", "invalid_request"))
             return
-        room = self.config.max_context - n
-        max_tokens = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
-        # Any integer seeds a generator: torch takes 64-bit seeds, so reduce modulo 2^64.
-        seed = req.sampling.seed % (1 << 64) if req.sampling.seed is not None else random.getrandbits(63)
+        max_tokens = clamp_max_tokens(n, self.config.max_context, req.sampling.max_tokens)
         now = time.monotonic()
         seq = Sequence(
             request=req,
             max_tokens=max_tokens,
-            generator=torch.Generator().manual_seed(seed),
+            generator=request_generator(req.sampling),
             deadline=self.clock() + (req.timeout_s or self.config.request_timeout_s),
             detok=Detokenizer(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_id, max_tokens),
             token_ids=list(req.prompt_token_ids),
@@ -188,7 +177,8 @@ class LLMEngine:
         spec = self.speculator
         # Decided before drafting, from past steps only (lossless: runtime/dspark/gate.py).
         speculate = spec is not None and bool(plan.decode) and (self.gate is None or self.gate.speculate(len(plan.decode)))
-        proposal = spec.propose(plan.decode) if speculate else None
+        sampling = SamplingBatch.of(plan.decode)  # the decode rows' sampling tensors, once (draft + verify)
+        proposal = spec.propose(plan.decode, sampling) if speculate else None
         ids: list[int] = []
         spans: list[SeqSpan] = []
         for i, seq in enumerate(plan.decode):
@@ -233,19 +223,18 @@ class LLMEngine:
                     self.spec_steps += 1
                 else:
                     self.gated_steps += 1
-            produced = self._verify(plan.decode, proposal, out, num_verify_rows)
+            produced = self._verify(plan.decode, proposal, out, num_verify_rows, sampling)
             if self.gate is not None and not plan.prefill:  # prefill chunks would blur the step's cost
                 self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
-            temp, top_k, top_p = params_to_tensors([s.request.sampling for s in prefill_done])
-            tokens = sample(warp_probs(logits, temp, top_k, top_p), [s.generator for s in prefill_done]).tolist()
+            tokens = SamplingBatch.of(prefill_done).draw(logits).tolist()
             lps = self._logprobs(logits, prefill_done, [[t] for t in tokens], [[i] for i in range(len(tokens))])
             for seq, tok, lp in zip(prefill_done, tokens, lps):
                 seq.status = SeqStatus.DECODE
                 self._append_tokens(seq, [tok], logprobs=lp)
 
-    def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int) -> int:
+    def _verify(self, seqs: list[Sequence], proposal, out, num_rows: int, sampling: SamplingBatch) -> int:
         """Accept/reject drafts (standard speculative sampling), commit caches, emit.
 
         ``proposal`` ``None``: a plain decode round (no speculator, or the gate chose AR).
@@ -253,7 +242,6 @@ class LLMEngine:
         :class:`~runtime.interface.SpecStats` as a round with 0 drafted / 0 verified /
         1 emitted, so ``emitted`` stays every token after the first and τ the tokens per
         target forward. Returns the tokens produced (before stop/EOS/max_tokens cuts)."""
-        temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
         if proposal is None:  # autoregressive: every request verifies just its anchor (ℓ = 0)
             lengths, draft_probs = [0] * len(seqs), out.logits.new_zeros(0, out.logits.shape[-1])
             draft_tokens = torch.zeros(0, dtype=torch.long)
@@ -262,7 +250,7 @@ class LLMEngine:
             draft_tokens = torch.tensor([t for ts in proposal.tokens for t in ts], dtype=torch.long)
         res = spec_round(
             out.logits[:num_rows], draft_probs, draft_tokens, lengths,
-            [s.num_cached for s in seqs], temp, top_k, top_p, [s.generator for s in seqs],
+            [s.num_cached for s in seqs], *sampling.tensors, sampling.generators,
         )  # fmt: skip
         for seq, keep in zip(seqs, res.keep_target):
             self.cache.truncate(seq.slot, keep)

@@ -32,8 +32,8 @@ class SamplingParams:
         temperature: 0 → greedy (argmax); >0 divides logits. OpenAI range [0, 2].
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 or -1 disables (vLLM convention).
-        max_tokens: hard cap on completion tokens (already clamped to the context
-            by the gateway); ``None`` → up to the context limit.
+        max_tokens: cap on completion tokens, clamped to the context by
+            :func:`clamp_max_tokens`; ``None`` → up to the context limit.
         stop: up to 4 stop strings, matched across token boundaries; the stop
             text itself is never returned.
         seed: per-request ``torch.Generator`` seed, reproducible; ``None`` → random.
@@ -241,6 +241,13 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str = "engine queue is full", retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def clamp_max_tokens(prompt_len: int, max_context: int, requested: int | None) -> int:
+    """The one ``max_tokens`` clamp (engine, and gateway for 400s and rate limits): ``min(requested,
+    max_context − prompt_len)``, the rest of the context when ``None``; ≤ 0: the prompt leaves no room."""
+    room = max_context - prompt_len
+    return room if requested is None else min(requested, room)
 
 
 @dataclass

@@ -22,7 +22,7 @@ Semantics follow the OpenAI chat-completions parameters as interpreted by vLLM:
   are kept too, so the result never depends on sort order. Renormalise.
 
 Everything is computed in fp32 whatever the logits dtype. Reproducibility: each
-request owns a ``torch.Generator`` (:class:`SamplingState`); a row's result
+request owns a ``torch.Generator`` (:func:`request_generator`); a row's result
 depends only on its own logits, parameters and generator, never on the rest of
 the batch.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -51,34 +52,14 @@ _SEED_MASK = (1 << 64) - 1
 INT64_MAX = (1 << 63) - 1
 
 
-@dataclass
-class SamplingState:
-    """Per-request randomness: one ``torch.Generator`` owned by the request.
-
-    Attributes:
-        seed: the 64-bit seed actually used (``params.seed`` reduced mod 2**64, or
-            a fresh random one when ``params.seed is None``); log it to replay.
-        generator: the request's generator; every random number the request ever
-            consumes (sampling and speculative acceptance) comes from it, in order,
-            so the output is reproducible regardless of batch composition.
-    """
-
-    seed: int
-    generator: torch.Generator
-
-    @classmethod
-    def from_params(cls, params: SamplingParams, device: str | torch.device = "cpu") -> "SamplingState":
-        """Build the state for one request.
-
-        Args:
-            params: the request's sampling parameters (uses ``params.seed``).
-            device: device of the generator (``"cpu"`` unless the sampler runs on
-                an accelerator and draws there).
-        """
-        seed = secrets.randbits(63) if params.seed is None else int(params.seed) & _SEED_MASK
-        gen = torch.Generator(device=device)
-        gen.manual_seed(seed)
-        return cls(seed=seed, generator=gen)
+def request_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
+    """Per-request randomness: the ``torch.Generator`` a request owns. Every random number
+    it ever consumes (sampling and speculative acceptance) comes from it, in order, so
+    the output is reproducible regardless of batch composition. Seeded with
+    ``params.seed`` reduced mod 2**64, or a fresh random seed when ``params.seed is None``
+    (``initial_seed()`` tells the seed used; log it to replay)."""
+    seed = secrets.randbits(63) if params.seed is None else int(params.seed) & _SEED_MASK
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def params_to_tensors(
@@ -113,6 +94,43 @@ def params_to_tensors(
         torch.tensor(ks, dtype=torch.int64, device=device),
         torch.tensor(ps, dtype=torch.float32, device=device),
     )
+
+
+@dataclass
+class SamplingBatch:
+    """A step's per-row sampling parameters as tensors: the engine builds ONE per step
+    (:meth:`of`) and hands it to the drafter, the sampler and verification
+    (``*batch.tensors`` where a function takes plain tensors, as :func:`warp_probs`).
+
+    Attributes:
+        temperature, top_k, top_p: ``[N]`` tensors from :func:`params_to_tensors`.
+        generators: N per-request generators; row i draws from ``generators[i]``.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    generators: list[torch.Generator]
+
+    @classmethod
+    def of(cls, seqs: Sequence) -> "SamplingBatch":
+        """From sequences (``runtime.sequence.Sequence``: ``request.sampling``, ``generator``),
+        in order. Raises ``ValueError`` as :func:`params_to_tensors`."""
+        return cls(*params_to_tensors([s.request.sampling for s in seqs]), [s.generator for s in seqs])
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(temperature, top_k, top_p)``, the order :func:`warp_probs` takes them in."""
+        return self.temperature, self.top_k, self.top_p
+
+    @cached_property
+    def greedy(self) -> bool:
+        """Every row at temperature 0 (decided by argmax; no draft distributions needed)."""
+        return bool((self.temperature <= 0).all())
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits`` ``[N, V]``: :func:`sample` of :func:`warp_probs`."""
+        return sample(warp_probs(logits, *self.tensors), self.generators)
 
 
 def _top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from runtime.dspark.scheduler import schedule
 from runtime.dspark.sla import sla_weight
 from runtime.dspark.sps import SpsTable
 from runtime.models.llama import LlamaModel
-from runtime.sampler import params_to_tensors
+from runtime.sampler import SamplingBatch
 from runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -173,32 +173,30 @@ class Speculator:
             (self.fast or self.drafter).extend_context(self.dcache, taps, slots, counts)
 
     # -- propose -------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence]) -> Proposal:
-        """Draft γ tokens for each decoding sequence and pick ℓ_r (paper Alg. 1)."""
+    def propose(self, seqs: list[Sequence], sampling: SamplingBatch) -> Proposal:
+        """Draft γ tokens for each decoding sequence (``sampling``: their rows) and pick ℓ_r (paper Alg. 1)."""
         if self.drafter is None:
             return self._propose_ngram(seqs)
         anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
-        temp, top_k, top_p = params_to_tensors([s.request.sampling for s in seqs])
-        ds = self.draft(anchors, [s.slot for s in seqs], temp, top_k, top_p, [s.generator for s in seqs])
+        ds = self.draft(anchors, [s.slot for s in seqs], sampling)
         weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
         ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
         plan = schedule(self.policy, ds.confidence, self.sps_table, weights=weights, context_len=ctx)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
         # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
-        probs = None if bool((temp <= 0).all()) else ds.dense_probs(lengths)
+        probs = None if sampling.greedy else ds.dense_probs(lengths)
         return Proposal(lengths, [self.gamma] * len(seqs), tokens, probs, self.gamma)
 
-    def draft(self, anchors: torch.Tensor, slots: Seq[int], temperature: torch.Tensor, top_k: torch.Tensor,
-              top_p: torch.Tensor, generators: Seq[torch.Generator]):
+    def draft(self, anchors: torch.Tensor, slots: Seq[int], sampling: SamplingBatch):
         """γ draft tokens per sequence with confidences: the fused CPU drafter
         (:class:`runtime.dspark.fast_drafter.FastDrafter`) where it runs, else the reference
         :class:`~runtime.dspark.drafter.DSparkDrafter`. Returns an object with ``tokens``
         int64 ``[B, γ]``, ``confidence`` fp32 ``[B, γ]`` and ``dense_probs(lengths)``."""
         if self.fast is not None:
-            return self.fast.draft(anchors, slots, self.dcache, self.gamma, temperature, top_k, top_p, generators)
+            return self.fast.draft(anchors, slots, self.dcache, self.gamma, sampling)
         blk = self.drafter.propose(anchors, slots, self.dcache, block_size=self.gamma)
-        return self.drafter.sample_block(blk, anchors, temperature, top_k, top_p, generators)
+        return self.drafter.sample_block(blk, anchors, sampling)
 
     def _propose_ngram(self, seqs: list[Sequence]) -> Proposal:
         tokens, drafted = [], []

@@ -21,6 +21,7 @@ from runtime.dspark.drafter import DSparkDrafter
 from runtime.dspark.prompt_lookup import one_hot_probs, propose_ngram
 from runtime.dspark.verifier import spec_round
 from runtime.models.llama import SeqSpan
+from runtime.sampler import SamplingBatch
 
 pytestmark = pytest.mark.model
 
@@ -89,7 +90,7 @@ def test_shapes_dtypes_and_ragged_batch(drafter, taps, ids):
         torch.testing.assert_close(alone.base_logits[0], blk.base_logits[i], atol=1e-4, rtol=1e-4)
     # Row 0 sampled at T=1, row 1 greedy.
     temp = torch.tensor([1.0, 0.0])
-    ds = drafter.sample_block(blk, anchors, temp, torch.zeros(2, dtype=torch.long), torch.ones(2), _gens(1, 2))
+    ds = drafter.sample_block(blk, anchors, SamplingBatch(temp, torch.zeros(2, dtype=torch.long), torch.ones(2), _gens(1, 2)))
     assert ds.tokens.shape == (2, GAMMA) and ds.tokens.dtype == torch.int64
     assert ((ds.tokens >= 0) & (ds.tokens < V)).all()
     assert ds.probs.shape == (2, GAMMA, V) and ds.probs.dtype == torch.float32
@@ -179,7 +180,7 @@ def test_markov_head_in_the_sampling_loop(target_fp32, taps, ids, variant):
     dc = _ctx(d, [taps[:30]])
     anchor = ids[30:31]
     blk = d.propose(anchor, [0], dc)
-    runs = [d.sample_block(blk, anchor, *_params(1), _gens(seed)) for seed in range(6)]
+    runs = [d.sample_block(blk, anchor, SamplingBatch(*_params(1), _gens(seed))) for seed in range(6)]
     differing_prev = 0
     for r in runs[1:]:
         a, b = runs[0], r
@@ -209,7 +210,7 @@ def test_sts_temperatures_scale_confidence(target_fp32, taps, ids):
     d = DSparkDrafter(target_fp32, DrafterConfig(sts_temperatures=temps))
     dc = _ctx(d, [taps[:30]])
     blk = d.propose(ids[30:31], [0], dc)
-    ds = d.sample_block(blk, ids[30:31], *_params(1), _gens(0))
+    ds = d.sample_block(blk, ids[30:31], SamplingBatch(*_params(1), _gens(0)))
     torch.testing.assert_close(ds.confidence, torch.sigmoid(ds.confidence_logits / torch.tensor(temps)))
 
 
@@ -230,7 +231,7 @@ def test_checkpoint_round_trip(target_fp32, taps, ids, tmp_path, variant):
     for m in (d, loaded, other):
         dc = _ctx(m, [taps[:30]])
         blk = m.propose(ids[30:31], [0], dc)
-        outs.append((blk, m.sample_block(blk, ids[30:31], *_params(1), _gens(9))))
+        outs.append((blk, m.sample_block(blk, ids[30:31], SamplingBatch(*_params(1), _gens(9)))))
     (b0, s0), (b1, s1), (b2, _) = outs
     assert torch.equal(b0.base_logits, b1.base_logits) and torch.equal(b0.hidden, b1.hidden)
     assert torch.equal(s0.tokens, s1.tokens) and torch.equal(s0.probs, s1.probs)
@@ -312,7 +313,7 @@ def _greedy_spec(target, prompt, n_new, drafter=None, gamma=4):
     while len(seq) - len(prompt) < n_new:
         p, anchor = cache.lengths[s], torch.tensor(seq[-1:])
         if drafter:
-            ds = drafter.sample_block(drafter.propose(anchor, [s], dc, gamma), anchor, *params, gens)
+            ds = drafter.sample_block(drafter.propose(anchor, [s], dc, gamma), anchor, SamplingBatch(*params, gens))
             drafts, probs = ds.tokens[0], ds.probs[0]
         else:
             prop = propose_ngram(seq, gamma)

@@ -38,6 +38,7 @@ from runtime.dspark.train import (
     position_weights,
     train,
 )
+from runtime.sampler import SamplingBatch
 from tests.drafter_data import tiny_sequences
 
 V = 49152
@@ -127,8 +128,8 @@ def test_training_forward_equals_serving_forward(target_fp32, teacher_batch, var
             blk = dr.propose(anchor, [0], dc)
             torch.testing.assert_close(blk.hidden[0], h[i, a], atol=2e-5, rtol=1e-5)
             # p_d of the loss (teacher-forced prev) == serving p_d when prev = the sampled tokens
-            ds = dr.sample_block(blk, anchor, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
-                                 [torch.Generator().manual_seed(p)])
+            ds = dr.sample_block(blk, anchor, SamplingBatch(torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                                                            [torch.Generator().manual_seed(p)]))
             prev = torch.cat([anchor, ds.tokens[0, :-1]])
             with torch.no_grad():
                 lp = draft_log_probs(dr, h[i, a], prev)

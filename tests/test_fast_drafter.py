@@ -17,6 +17,7 @@ import torch
 from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE, build_draft_vocab, load_draft_vocab, quantize_q8_0
 from runtime.kernels import gguf_cpu
 from runtime.models.llama import SeqSpan
+from runtime.sampler import SamplingBatch
 
 V = 49152
 
@@ -128,8 +129,8 @@ def test_greedy_drafts_agree_with_reference(setup):
         cf.truncate(0, p)
         a = torch.tensor([seq[p]])
         t, k, tp = _params(1, 0)
-        ref = drafter.sample_block(drafter.propose(a, [0], ce, block_size=g), a, t, k, tp, [torch.Generator()])
-        got = fast.draft(a, [0], cf, g, t, k, tp, [torch.Generator()])
+        ref = drafter.sample_block(drafter.propose(a, [0], ce, block_size=g), a, SamplingBatch(t, k, tp, [torch.Generator()]))
+        got = fast.draft(a, [0], cf, g, SamplingBatch(t, k, tp, [torch.Generator()]))
         agree += int((ref.tokens == got.tokens).sum())
         total += g
         if torch.equal(ref.tokens[:, :1], got.tokens[:, :1]):
@@ -151,7 +152,7 @@ def test_sampled_draft_distribution_is_the_reference_restricted_to_the_draft_voc
     a = torch.tensor([seq[n - 1]])
     g = drafter.block_size
     t, k, tp = _params(1, 1.0)
-    got = fast.draft(a, [0], cf, g, t, k, tp, [torch.Generator().manual_seed(3)])
+    got = fast.draft(a, [0], cf, g, SamplingBatch(t, k, tp, [torch.Generator().manual_seed(3)]))
     probs = got.dense_probs([g])
     vocab = fast.vocab
     outside = torch.ones(V, dtype=torch.bool)
@@ -184,5 +185,5 @@ def test_block_kernel_rejects_bad_kv_lens(setup):
         fast.fm.forward_block_(x, cf.k, cf.v, one, torch.tensor([3]), torch.tensor([5, 5]))
     t, k, tp = _params(0, 0)
     g = drafter.block_size
-    empty = fast.draft(torch.zeros(0, dtype=torch.long), [], cf, g, t, k, tp, [])
+    empty = fast.draft(torch.zeros(0, dtype=torch.long), [], cf, g, SamplingBatch(t, k, tp, []))
     assert empty.tokens.shape == (0, g) and empty.dense_probs([]).shape == (0, V)

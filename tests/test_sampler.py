@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ from scipy.stats import chisquare
 from runtime.interface import SamplingParams
 from runtime.sampler import (
     NUCLEUS_CANDIDATES,
-    SamplingState,
+    SamplingBatch,
     params_to_tensors,
+    request_generator,
     sample,
     uniform,
     warp_probs,
@@ -207,15 +209,29 @@ def test_params_to_tensors_top_k_beyond_int64_is_disabled_not_an_error():
 
 
 def test_sampling_state_seeding():
-    a = SamplingState.from_params(SamplingParams(seed=42))
-    b = SamplingState.from_params(SamplingParams(seed=42))
-    assert a.seed == 42
-    assert torch.equal(torch.rand(5, generator=a.generator), torch.rand(5, generator=b.generator))
-    neg = SamplingState.from_params(SamplingParams(seed=-1))
-    assert neg.seed == (1 << 64) - 1
-    r1 = SamplingState.from_params(SamplingParams())
-    r2 = SamplingState.from_params(SamplingParams())
-    assert r1.seed != r2.seed
+    a = request_generator(SamplingParams(seed=42))
+    b = request_generator(SamplingParams(seed=42))
+    assert a.initial_seed() == 42
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+    neg = request_generator(SamplingParams(seed=-1))
+    assert neg.initial_seed() == (1 << 64) - 1
+    r1 = request_generator(SamplingParams())
+    r2 = request_generator(SamplingParams())
+    assert r1.initial_seed() != r2.initial_seed()
+
+
+def test_sampling_batch_of_sequences():
+    """The engine's one conversion per step: rows in sequence order, each request's own generator."""
+    params = [SamplingParams(temperature=0.0, top_k=-1), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)]
+    seqs = [SimpleNamespace(request=SimpleNamespace(sampling=p), generator=torch.Generator().manual_seed(i))
+            for i, p in enumerate(params)]
+    batch = SamplingBatch.of(seqs)
+    assert all(torch.equal(a, b) for a, b in zip(batch.tensors, params_to_tensors(params)))
+    assert batch.generators == [s.generator for s in seqs] and not batch.greedy
+    assert SamplingBatch.of(seqs[:1]).greedy
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(5))
+    want = sample(warp_probs(logits, *params_to_tensors(params)), [torch.Generator().manual_seed(i) for i in range(2)])
+    assert batch.draw(logits).tolist() == want.tolist()
 
 
 # ---------------------------------------------------------------- sample / uniform
@@ -228,12 +244,11 @@ def _step_logits(step: int, vocab: int) -> torch.Tensor:
 
 def _decode(requests: list[tuple[SamplingParams, int]], steps: int, vocab: int = 3000) -> list[list[int]]:
     """Simulate ``steps`` batched decode steps; request r's logits depend on (r's tag, step)."""
-    states = [SamplingState.from_params(p) for p, _ in requests]
-    t, k, p = params_to_tensors([p for p, _ in requests])
+    batch = SamplingBatch(*params_to_tensors([p for p, _ in requests]), [request_generator(p) for p, _ in requests])
     out: list[list[int]] = [[] for _ in requests]
     for s in range(steps):
         logits = torch.stack([_step_logits(s * 31 + tag, vocab) for _, tag in requests])
-        toks = sample(warp_probs(logits, t, k, p), [st.generator for st in states])
+        toks = batch.draw(logits)
         for i, tok in enumerate(toks.tolist()):
             out[i].append(tok)
     return out

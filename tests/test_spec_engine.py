@@ -275,6 +275,26 @@ def test_stop_string_inside_accepted_block(target_fp32, tokenizer, greedy_contin
     assert fin.spec.emitted == fin.completion_tokens - 1
 
 
+def test_sampling_tensors_built_once_per_step(target_fp32, tokenizer, monkeypatch):
+    """Issue 26: a step turns each sequence's sampling parameters into tensors once, shared by
+    the drafter and verification (and the first-token sampler after prefill), so the rows
+    converted are one per decode round of each request plus one first token per request."""
+    import runtime.engine
+    import runtime.sampler
+    import runtime.speculator
+
+    rows: list[int] = []
+    real = runtime.sampler.params_to_tensors
+    for mod in (runtime.sampler, runtime.engine, runtime.speculator):  # wherever the engine calls it from
+        if hasattr(mod, "params_to_tensors"):
+            monkeypatch.setattr(mod, "params_to_tensors", lambda params, *a, **kw: rows.append(len(params)) or real(params, *a, **kw))
+    prompts = [chat_ids(tokenizer, t) for t in ("Name three colours.", "Count to five.", "Say hi.")]
+    engine, _, _, finals = run(target_fp32, tokenizer, prompts, SamplingParams(temperature=0.8, seed=3, max_tokens=12),
+                               spec_method="dspark", spec_policy="fixed", spec_gate=False)
+    assert engine.spec_steps == engine.decode_steps > 0  # every decode round drafted, then verified
+    assert sum(rows) == sum(f.spec.rounds for f in finals.values()) + len(prompts)
+
+
 NEAR_TIE = 0.25  # fp32 logit units; see docs/benchmarks.md "bf16 divergences"
 
 

@@ -67,7 +67,7 @@ from runtime.dspark.config import DrafterConfig
 from runtime.dspark.drafter import DraftBlock, DSparkDrafter
 from runtime.dspark.verifier import spec_round
 from runtime.models.llama import SeqSpan
-from runtime.sampler import warp_probs
+from runtime.sampler import SamplingBatch, warp_probs
 from tests.test_dspark_verifier import residual_from_target
 
 pytestmark = pytest.mark.model
@@ -236,7 +236,7 @@ def run_rounds(f: Fork, top_p: float, variants=(None,), n: int = N, seed: int = 
         temp, top_k, tp = torch.ones(m), torch.zeros(m, dtype=torch.long), torch.full((m,), top_p)
         blk = DraftBlock(f.block.base_logits.expand(m, -1, -1), f.block.hidden.expand(m, -1, -1))
         anchors = torch.full((m,), f.anchor, dtype=torch.long)
-        ds = f.drafter.sample_block(blk, anchors, temp, top_k, tp, gens)
+        ds = f.drafter.sample_block(blk, anchors, SamplingBatch(temp, top_k, tp, gens))
         states = [g.get_state() for g in gens]  # after drafting: where verification starts
         pairs = list(zip(ds.tokens[:, 0].tolist(), ds.tokens[:, 1].tolist()))
         ells = [GAMMA] * m if plan is None else [plan(ds.confidence[i]) for i in range(m)]
@@ -398,8 +398,8 @@ def scheduler_plan(fork, top_p: float) -> tuple:
     m = 512
     gens = [torch.Generator().manual_seed(7_000_000 + i) for i in range(m)]
     blk = DraftBlock(fork.block.base_logits.expand(m, -1, -1), fork.block.hidden.expand(m, -1, -1))
-    ds = fork.drafter.sample_block(blk, torch.full((m,), fork.anchor, dtype=torch.long), torch.ones(m),
-                                   torch.zeros(m, dtype=torch.long), torch.full((m,), top_p), gens)
+    ds = fork.drafter.sample_block(blk, torch.full((m,), fork.anchor, dtype=torch.long), SamplingBatch(
+        torch.ones(m), torch.zeros(m, dtype=torch.long), torch.full((m,), top_p), gens))
     a = torch.cumprod(ds.confidence.double(), -1)
     assert torch.allclose(a[:, 0], a[0, 0])  # c_1 sees the shared anchor only
     a1 = float(a[0, 0])

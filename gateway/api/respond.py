@@ -1,5 +1,5 @@
 """The part of ``/v1/chat/completions`` and ``/v1/completions`` after the prompt is
-tokenized: clamp ``max_tokens``, submit, then stream (SSE) or answer JSON."""
+tokenized: clamp ``max_tokens``, admit, submit, then stream (SSE) or answer JSON."""
 
 from __future__ import annotations
 
@@ -29,29 +29,26 @@ async def respond(
 
     ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
     context when absent), so an over-long request ends with ``finish_reason: "length"``.
+    Admission resolves the tier's SLA target into ``ctx``; the runtime request is built from it.
     """
     state = request.app.state
-    max_tokens = completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param)
-    gen_request = generation_request(fmt.id, prompt_ids, body, max_tokens, principal.tenant,
-                                     principal.user_label, state.settings.request_timeout_s, fmt.num_top_logprobs,
-                                     state.settings.prefix_cache_scope)
     ctx = RequestContext(
         request_id=fmt.id,
         endpoint=prompt_param == "messages" and "chat" or "completions",
         model=fmt.model,
         stream=bool(body.stream),
         prompt_tokens=len(prompt_ids),
-        max_tokens=max_tokens,
+        max_tokens=completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param),
         tenant=principal.tenant,
-        user=gen_request.user,
+        user=body.user or principal.user_label,
         key_id=principal.key_id,
-        sla_target_tokens_per_s=gen_request.sla_target_tokens_per_s,
     )
     admission = getattr(state, "admission", None)  # gateway.admission: limits, queue, SLA (429s)
     ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
     headers = ticket.headers if ticket is not None else {}  # x-ratelimit-*, also before the first SSE byte
-    gen_request.sla_target_tokens_per_s, gen_request.priority = ctx.sla_target_tokens_per_s, ctx.priority
     try:
+        gen_request = generation_request(ctx, prompt_ids, body, state.settings.request_timeout_s,
+                                         fmt.num_top_logprobs, state.settings.prefix_cache_scope)
         stream = await start_generation(backend, gen_request, request, ctx, state.observers)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

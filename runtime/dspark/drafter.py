@@ -43,7 +43,7 @@ from runtime.dspark.config import DrafterConfig
 from runtime.dspark.markov_head import MarkovHead, apply_markov, build_markov_head
 from runtime.kernels.dispatch import kernel_path, markov_sample
 from runtime.models.llama import MLP, Attention, LlamaConfig, LlamaModel, RMSNorm, Rotary
-from runtime.sampler import sample, uniform, warp_probs
+from runtime.sampler import SamplingBatch, sample, uniform, warp_probs
 
 
 class DraftContextCache:
@@ -507,17 +507,7 @@ class DSparkDrafter(nn.Module):
         logits = self.target.lm_head(hidden.reshape(B * gamma, d)).view(B, gamma, -1)
         return DraftBlock(base_logits=logits, hidden=hidden)
 
-    def sample_block(
-        self,
-        block: DraftBlock,
-        anchors: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        generators: Sequence[torch.Generator],
-    ) -> DraftSample:
-        """:func:`sample_block` with this drafter's heads and STS temperatures."""
-        return sample_block(
-            self.markov, self.confidence, block.base_logits, block.hidden, anchors,
-            temperature, top_k, top_p, generators, self.sts_tensor(),
-        )  # fmt: skip
+    def sample_block(self, block: DraftBlock, anchors: torch.Tensor, sampling: SamplingBatch) -> DraftSample:
+        """:func:`sample_block` with this drafter's heads and STS temperatures (``sampling``: one row per anchor)."""
+        return sample_block(self.markov, self.confidence, block.base_logits, block.hidden, anchors,
+                            *sampling.tensors, sampling.generators, self.sts_tensor())

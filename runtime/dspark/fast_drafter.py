@@ -47,7 +47,7 @@ from runtime.dspark.confidence_head import calibrated_confidence
 from runtime.dspark.drafter import DraftContextCache, DSparkDrafter
 from runtime.kernels import gguf_cpu
 from runtime.models.gguf_weights import GgufLinear, kernel_max_rows
-from runtime.sampler import sample, warp_probs
+from runtime.sampler import SamplingBatch, sample, warp_probs
 
 #: File in a checkpoint directory listing the draft vocabulary (token ids, most frequent first).
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -239,10 +239,7 @@ class FastDrafter:
         slots: Sequence[int],
         cache: DraftContextCache,
         gamma: int,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        generators: Sequence[torch.Generator],
+        sampling: SamplingBatch,
     ) -> FastDraft:
         """Draft γ tokens per sequence: backbone, draft-vocabulary LM head, Markov chain, confidences.
 
@@ -251,8 +248,7 @@ class FastDrafter:
             slots: B slots.
             cache: the drafter's context cache (its committed part is not modified).
             gamma: γ ≤ the checkpoint's block size.
-            temperature, top_k, top_p: per-row sampling parameters ``[B]`` (as for the target).
-            generators: B per-request generators (one draw per sampled slot).
+            sampling: B rows of sampling parameters, as for the target (one draw per sampled slot).
 
         Returns:
             :class:`FastDraft`.
@@ -276,17 +272,15 @@ class FastDrafter:
                                torch.tensor(pos, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
         hidden = d.norm(x).to(d.dtype)  # [B·γ, d]
         base = self.head(hidden).view(B, gamma, self.vocab.numel())  # U over the draft vocabulary, fp32
-        return self._sample(base, hidden.view(B, gamma, dim), anchors.long(), temperature, top_k, top_p, generators)
+        return self._sample(base, hidden.view(B, gamma, dim), anchors.long(), sampling)
 
-    def _sample(self, base, hidden, anchors, temperature, top_k, top_p, generators) -> FastDraft:
+    def _sample(self, base, hidden, anchors, sampling: SamplingBatch) -> FastDraft:
         """x_k ~ warp(U_k + B(x_{k−1})) left to right over the draft vocabulary (paper §3.1)."""
         d = self.drafter
         B, gamma, N = base.shape
         mk = d.markov
-        greedy = temperature <= 0
-        all_greedy = bool(greedy.all())
         tokens = torch.empty(B, gamma, dtype=torch.long)
-        probs = None if all_greedy else torch.empty(B, gamma, N, dtype=torch.float32)
+        probs = None if sampling.greedy else torch.empty(B, gamma, N, dtype=torch.float32)
         prev = anchors
         embs = []
         for k in range(gamma):
@@ -297,17 +291,17 @@ class FastDrafter:
                 if mk.gate is not None:
                     e = torch.sigmoid(mk.gate(torch.cat([hidden[:, k].float(), e], -1))) * e
                 logits = torch.addmm(logits, e, self.w2_sub_t)  # U_k + W1[x_{k−1}]·W2
-            if all_greedy:
+            if sampling.greedy:
                 idx = logits.argmax(-1)
             else:
-                probs[:, k] = warp_probs(logits, temperature, top_k, top_p)
-                idx = sample(probs[:, k], generators)
+                probs[:, k] = warp_probs(logits, *sampling.tensors)
+                idx = sample(probs[:, k], sampling.generators)
             prev = self.vocab[idx]
             tokens[:, k] = prev
         emb = torch.stack(embs, dim=1) if mk is not None else None  # W1[x_0..x_{γ−1}]
         conf_logits = d.confidence(hidden, emb)
-        return FastDraft(tokens, greedy, self.vocab, probs, calibrated_confidence(conf_logits, d.sts_tensor()),
-                         conf_logits, self.vocab_size)
+        return FastDraft(tokens, sampling.temperature <= 0, self.vocab, probs,
+                         calibrated_confidence(conf_logits, d.sts_tensor()), conf_logits, self.vocab_size)
 
 
 def available(drafter: DSparkDrafter) -> bool:

@@ -57,6 +57,7 @@ import torch
 
 from runtime.dspark import sps as sps_mod
 from runtime.dspark.sps import SpsTable
+from runtime.sampler import SamplingBatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.config import EngineConfig
@@ -196,11 +197,9 @@ class EngineRoundFn:
         slots = [self.cache.allocate() for _ in range(r)]
         spec, drafter, dcache = self.spec, self.spec.drafter, self.spec.dcache
         gens = [torch.Generator().manual_seed(self.rng.getrandbits(62)) for _ in range(r)]
+        sampling = SamplingBatch(torch.full((r,), self.temperature), torch.zeros(r, dtype=torch.long), torch.ones(r), gens)
         anchors = torch.tensor([self.rng.randrange(V) for _ in range(r)], dtype=torch.long)
         history = [self.rng.randrange(V) for _ in range(min(ctx_len, 256))]  # n-gram lookup input
-        temp = torch.full((r,), self.temperature)
-        top_k = torch.zeros(r, dtype=torch.long)
-        top_p = torch.ones(r)
         try:
             for s in slots:
                 self.cache.lengths[s] = ctx_len
@@ -209,7 +208,7 @@ class EngineRoundFn:
             t0 = time.perf_counter()
             # 1. draft
             if drafter is not None:
-                ds = spec.draft(anchors, slots, temp, top_k, top_p, gens)
+                ds = spec.draft(anchors, slots, sampling)
                 ds.confidence.tolist()  # the scheduler reads the confidences on the CPU
                 tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
                 probs = ds.dense_probs(lengths) if self.temperature > 0 else None  # as the engine
@@ -234,7 +233,7 @@ class EngineRoundFn:
             # 3. verify (warp + accept/resample), 4. commit caches
             res = spec_round(
                 out.logits, probs, torch.tensor([t for ts in tokens for t in ts], dtype=torch.long),
-                lengths, [ctx_len] * r, temp, top_k, top_p, gens,
+                lengths, [ctx_len] * r, *sampling.tensors, gens,
             )  # fmt: skip
             for s, keep in zip(slots, res.keep_target):
                 self.cache.truncate(s, keep)

@@ -302,8 +302,8 @@ def spec_round(
     ``target_cache.lengths[slot] == draft_cache.lengths[slot]``):
 
     1. Draft: ``blk = drafter.propose(anchors, slots, draft_cache)``;
-       ``ds = drafter.sample_block(blk, anchors, T, top_k, top_p, gens)`` (per-request
-       params ``[B]``). The scheduler picks ℓ_r ≤ γ from ``ds.confidence``.
+       ``ds = drafter.sample_block(blk, anchors, sampling)`` (``sampling``: the step's
+       :class:`runtime.sampler.SamplingBatch`, one row per request). The scheduler picks ℓ_r ≤ γ from ``ds.confidence``.
     2. Target forward (may share the ragged batch with prefill chunks): request r
        feeds ``[x_0, x_1..x_ℓ_r]`` as ``SeqSpan(slot, p_r, ℓ_r+1)``; request logits
        for all those rows and ``tap_layers=drafter.tap_layers`` (taps of every row,

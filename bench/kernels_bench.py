@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from runtime.dspark.verifier import verify_chain
+from runtime.speculation.verifier import verify_chain
 from runtime.kernels import dispatch
-from runtime.kernels.reference import chain_offsets, markov_sample_reference
+from runtime.kernels.gpu.reference import chain_offsets, markov_sample_reference
 
 
 def chain_inputs(lengths: list[int], V: int, dev: str, seed: int, noise: float = 0.7):
@@ -64,7 +64,7 @@ SMOKE_MARKOV_CASES = [(3, 4, 128, 8, torch.float32), (5, 3, 300, 16, torch.bfloa
 
 def check_verify(verify_triton, dev: str, cases=VERIFY_CASES) -> dict:
     """Exact agreement of the Triton verify kernel with the torch verifier
-    (:func:`runtime.dspark.verifier.verify_chain`) on several shapes."""
+    (:func:`runtime.speculation.verifier.verify_chain`) on several shapes."""
     out, total_tok, mism, acc_mism = [], 0, 0, 0
     for i, (lengths, V, noise) in enumerate(cases):
         for seed in range(3):
@@ -168,8 +168,8 @@ def main() -> None:
     if (cuda or (a.smoke and interp)) and dispatch.triton_available():
         import triton
 
-        from runtime.kernels.triton_markov import markov_sample_triton
-        from runtime.kernels.triton_verify import verify_chain_triton
+        from runtime.kernels.gpu.triton_markov import markov_sample_triton
+        from runtime.kernels.gpu.triton_verify import verify_chain_triton
 
         timer = gpu_time_ms if cuda else (lambda fn: cpu_time_ms(fn, a.reps))
         graph = graph_time_ms if cuda else (lambda fn: None)

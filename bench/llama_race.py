@@ -8,7 +8,7 @@ a time:
   SQLite in a temp dir, ``SPARKGATE_DTYPE`` = ``--dtype``, DSpark with the committed default
   drafter), driven over HTTP by ``bench/serve_bench.py``'s closed-loop streaming clients
   at every ``--concurrency``.
-* **Sparkgate engine in-process** (concurrency 1, AR): ``runtime.engine.LLMEngine`` driven
+* **Sparkgate engine in-process** (concurrency 1, AR): ``runtime.engine.llm_engine.LLMEngine`` driven
   directly in a subprocess, one request after another, timed at its ``TextDelta`` events —
   the counterpart of llama-cpp-python in-process (no HTTP, no gateway).
 * **llama-cpp-python in-process** (concurrency 1): ``llama_cpp.Llama`` with ``--threads``
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from runtime.dspark.evaluate import first_turns  # noqa: E402
+from training.evaluate import first_turns  # noqa: E402
 from serve_bench import level_summary, run_level, start_server  # noqa: E402
 
 EOS_ID = 2  # <|im_end|>
@@ -80,7 +80,7 @@ IN_PROCESS_SCRIPT = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[2])
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import GenerationRequest, SamplingParams, TextDelta
 cfg = json.loads(sys.argv[1])
 times = []

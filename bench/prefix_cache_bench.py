@@ -1,4 +1,4 @@
-"""TTFT with and without automatic prefix caching (runtime/prefix_cache.py).
+"""TTFT with and without automatic prefix caching (runtime/engine/prefix_cache.py).
 
 Two workloads through the in-process engine, one request at a time (concurrency 1,
 greedy), each run once with the prefix cache off (``prefix_cache_blocks=0``) and once on
@@ -29,9 +29,9 @@ import time
 import torch
 
 from runtime.config import EngineConfig
-from runtime.dspark.data import read_jsonl
-from runtime.dspark.evaluate import task_file
-from runtime.engine import LLMEngine, load_tokenizer
+from training.data import read_jsonl
+from training.evaluate import task_file
+from runtime.engine.llm_engine import LLMEngine, load_tokenizer
 from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import load_target
 from runtime.models.loader import ensure_converted

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from runtime.dspark.evaluate import first_turns
+from training.evaluate import first_turns
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import ensure_converted
 from runtime.models.quant import quantize_llama_

@@ -1,6 +1,6 @@
 """Verification-budget scheduler benchmark: policies × concurrency, Fig. 8 shape, SLA tiers.
 
-Drives the embedded engine (:class:`runtime.engine.LLMEngine`) directly, in-process
+Drives the embedded engine (:class:`runtime.engine.llm_engine.LLMEngine`) directly, in-process
 and synchronously — no HTTP, so there is no load generator competing for the two
 CPU cores and every timing is server-side (the engine's own monotonic timestamps).
 Closed-loop clients: at concurrency c, c clients each submit a request, wait for it
@@ -34,7 +34,7 @@ writes a PNG (``--png``, default docs/scheduler_bench.png).
 
 Usage:
     .venv/bin/python bench/scheduler_bench.py                  # full run (~10 min, 2 cores)
-    .venv/bin/python bench/scheduler_bench.py --drafter runtime/dspark/checkpoints/candidate
+    .venv/bin/python bench/scheduler_bench.py --drafter runtime/speculation/checkpoints/candidate
     .venv/bin/python bench/scheduler_bench.py --quick          # smoke: c = 1, 4; 8 tokens
 """
 
@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.dspark.evaluate import EVAL_DIR, first_turns  # noqa: E402
-from runtime.engine import DTYPES, LLMEngine, load_tokenizer  # noqa: E402
+from training.evaluate import EVAL_DIR, first_turns  # noqa: E402
+from runtime.engine.llm_engine import DTYPES, LLMEngine, load_tokenizer  # noqa: E402
 from runtime.interface import Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
 
 POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark-sla")
@@ -317,7 +317,7 @@ def main() -> None:
                     help="DSpark checkpoint dir (repeatable); 'default' = committed/random-init drafter")  # fmt: skip
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=False,
-                    help="speculation gate (runtime/dspark/gate.py); off: every round drafts, so the policies are compared")
+                    help="speculation gate (runtime/speculation/gate.py); off: every round drafts, so the policies are compared")
     ap.add_argument("--no-t1", action="store_true", help="skip the T=1 runs")
     ap.add_argument("--no-baselines", action="store_true", help="skip autoregressive and prompt-lookup runs")
     ap.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True)
@@ -336,7 +336,7 @@ def main() -> None:
         args.concurrency, args.max_tokens, args.requests_per_client, args.mixed_concurrency = [1, 4], 8, 1, 4
         args.gold_clients = 1
     drafters = args.drafter or ["default"]
-    cand = ROOT / "runtime" / "dspark" / "checkpoints" / "candidate"
+    cand = ROOT / "runtime" / "speculation" / "checkpoints" / "candidate"
     if args.drafter is None and (cand / "config.json").exists():
         drafters.append(str(cand))
     t_start = time.perf_counter()

@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.dspark.evaluate import EVAL_DIR, first_turns  # noqa: E402
+from training.evaluate import EVAL_DIR, first_turns  # noqa: E402
 from runtime.interface import decode_tokens_per_s  # noqa: E402
 
 

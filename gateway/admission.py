@@ -45,7 +45,7 @@ from gateway.errors import APIError, overloaded
 from gateway.generation import ClientDisconnected, unless_disconnected
 from gateway.observe import CANCELLED, REJECTED, RequestContext, RequestOutcome, notify
 from gateway.ratelimit import REQUESTS, TOKENS, Grant, Limit, RateLimiter, RedisBucketStore
-from runtime.dspark.sps import SpsTable
+from runtime.speculation.sps import SpsTable
 from runtime.interface import Backend
 
 log = logging.getLogger(__name__)

@@ -358,12 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
 # untouched (argparse cannot forward unknown flags such as SGLang's --model-path).
 PASSTHROUGH = {
     "sglang-launch": ("runtime.sglang.launch", [], "install the SLA plugin into SGLang's env and exec sglang.launch_server with DSpark"),
-    "profile": ("runtime.dspark.profile_engine", [], "measure the engine's SPS table (rounds/s vs verification tokens) and cache it"),
-    "regen-data": ("runtime.dspark.cli", ["regen"], "regenerate drafter training responses with the target (resumable)"),
-    "build-features": ("runtime.dspark.cli", ["build-features"], "cache the target's teacher features for drafter training (resumable)"),
-    "train-drafter": ("runtime.dspark.cli", ["train"], "train a DSpark drafter (online or cached target features)"),
-    "calibrate-drafter": ("runtime.dspark.cli", ["calibrate"], "fit STS temperatures into a drafter checkpoint"),
-    "eval": ("runtime.dspark.cli", ["eval"], "accepted length τ on the DeepSpec eval sets"),
+    "profile": ("runtime.engine.profile", [], "measure the engine's SPS table (rounds/s vs verification tokens) and cache it"),
+    "regen-data": ("training.cli", ["regen"], "regenerate drafter training responses with the target (resumable)"),
+    "build-features": ("training.cli", ["build-features"], "cache the target's teacher features for drafter training (resumable)"),
+    "train-drafter": ("training.cli", ["train"], "train a DSpark drafter (online or cached target features)"),
+    "calibrate-drafter": ("training.cli", ["calibrate"], "fit STS temperatures into a drafter checkpoint"),
+    "eval": ("training.cli", ["eval"], "accepted length τ on the DeepSpec eval sets"),
     "bench": ("", [], "run a benchmark script of bench/ (JSON out): sparkgate bench NAME [ARGS]; no NAME lists them"),
 }
 

@@ -1,7 +1,7 @@
 """OpenAI ``logprobs`` objects from the runtime's :class:`TokenLogprob` entries.
 
 Values are the target model's raw logprobs (``log_softmax`` of its logits before
-temperature/top-k/top-p, see :mod:`runtime.logprobs`), one entry per completion
+temperature/top-k/top-p, see :mod:`runtime.engine.logprobs`), one entry per completion
 token, EOS included when it ended the reply. Token strings come from the backend
 (:meth:`runtime.interface.Backend.token_bytes`), never from engine internals:
 

@@ -25,7 +25,7 @@ from gateway.api.routes import admin, chat, completions, engine, health, models,
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
-from gateway.errors import install_error_handlers
+from gateway.api.error_handlers import install_error_handlers
 from gateway.records import RecordWriter
 from gateway.metrics import install as install_metrics
 from gateway.stats import RollingStats

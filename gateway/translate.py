@@ -170,7 +170,7 @@ def requested_max_tokens(body: BaseCompletionRequest) -> int | None:
 
 
 def prefix_cache_salt(scope: str, tenant: str | None, request_salt: str | None) -> str | None:
-    """The runtime ``cache_salt`` (:func:`runtime.prefix_cache.chain_root`).
+    """The runtime ``cache_salt`` (:func:`runtime.engine.prefix_cache.chain_root`).
 
     ``scope="tenant"`` (the default, ``SPARKGATE_PREFIX_CACHE_SCOPE``): cached prompt KV is
     shared only inside a tenant, so no tenant can tell from its time to first token what

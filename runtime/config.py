@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 #: Variables the runtime reads itself (also without the gateway): name → (default, meaning).
 ENV = {
     "SPARKGATE_CACHE_DIR": ("~/.cache/sparkgate", "root of the caches: converted model, SPS profiles, "
-                            "compiled kernels, default database (``runtime.models.loader.cache_dir``)."),
+                            "compiled kernels, default database (``runtime.config.cache_dir``)."),
     "SPARKGATE_KERNELS": ("auto", "verification kernels: ``auto`` (Triton for CUDA tensors, else the torch "
                           "reference), ``reference`` or ``triton`` forced (``runtime.kernels.dispatch``)."),
 }
@@ -52,26 +53,26 @@ class EngineConfig:
             ``None`` → the committed one for the method (``checkpoints/default`` for
             ``dspark``, ``checkpoints/parallel`` for ``parallel``; random init if it is missing).
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
-        draft_fused: draft with :class:`runtime.dspark.fast_drafter.FastDrafter` (fused C++
+        draft_fused: draft with :class:`runtime.speculation.fast_drafter.FastDrafter` (fused C++
             backbone, draft vocabulary) where the target is on the fused ``gguf`` path;
             ``False`` → always the reference torch drafter (A/B benchmarks).
         seed: seed for random drafter init / engine-level randomness.
-        sps_table_path: JSON SPS table (``runtime.dspark.sps.SpsTable.save``) to use as
+        sps_table_path: JSON SPS table (``runtime.speculation.sps.SpsTable.save``) to use as
             is for the ``dspark`` policies — no cache lookup, no profiling (e.g. the
             committed ``tests/data/sps_table.json``). ``None`` → the cached profile
             matching this engine, else the fallback table.
         profile_on_start: when speculating and no cached profile matches, profile the SPS
             table at start-up (bounded: ~10–20 s on the 2-core CPU, see
-            ``runtime.dspark.profile_engine``) and cache it. ``False`` (the engine's default;
+            ``runtime.engine.profile``) and cache it. ``False`` (the engine's default;
             tests) never profiles: cached profile or fallback table. The server's default is on.
         prefix_cache_blocks: capacity of the automatic prefix cache
-            (:mod:`runtime.prefix_cache`) in blocks of ``prefix_block_size`` tokens;
+            (:mod:`runtime.engine.prefix_cache`) in blocks of ``prefix_block_size`` tokens;
             0 disables it. Default 256 × 16 = 4096 tokens ≈ 180 MiB in fp32 (90 MiB in
             bf16) of target KV, plus the drafter's context K/V when speculating.
         prefix_block_size: tokens per prefix-cache block (reuse is block-granular).
         spec_gate: when speculating, decide per step — before drafting, from measured
             speed of past steps — whether to speculate or run a plain AR step
-            (:class:`runtime.dspark.gate.SpecGate`; lossless). ``False`` → every step
+            (:class:`runtime.speculation.gate.SpecGate`; lossless). ``False`` → every step
             with decoding sequences drafts (the behaviour before the gate). Ignored
             when ``spec_method`` is ``"none"``.
     """
@@ -97,6 +98,29 @@ class EngineConfig:
     spec_gate: bool = True
 
 
+#: /proc/cpuinfo flags the kernel needs, and those of the AMX tile unit it uses where present.
+KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"})
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` (aarch64: ``Features``) of the first CPU in ``/proc/cpuinfo`` (empty if unreadable)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):  # x86, aarch64
+            return set(line.split(":", 1)[-1].split())
+    return set()
+
+
+def cpu_supports_kernel(cpuinfo: str | None = None) -> bool:
+    """True on x86 CPUs with AVX512F/BW/VL, AVX512-BF16 and F16C (the kernel's ISA)."""
+    return KERNEL_FLAGS <= cpu_flags(cpuinfo)
+
+
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 natively (x86 ``avx512_bf16`` or ``amx_bf16``
     flags in ``/proc/cpuinfo``; aarch64 ``bf16``). ``cpuinfo``: the file's text (tests).
@@ -106,17 +130,12 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     batch-16 step takes 732 ms in bf16 vs 271 ms in fp32 (1 thread) — oneDNN then
     converts bf16 to fp32 in software.
     """
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags = set(line.split(":", 1)[-1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return False
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cache_dir() -> Path:
+    """Root cache dir: ``$SPARKGATE_CACHE_DIR`` or ``~/.cache/sparkgate`` (:data:`ENV`)."""
+    return Path(env("SPARKGATE_CACHE_DIR")).expanduser()
 
 
 def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
@@ -127,8 +146,6 @@ def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:
     unchanged (validated by the engine). ``cpuinfo``: ``/proc/cpuinfo``'s text (tests)."""
     if name != "auto":
         return name
-    from runtime.kernels.gguf_cpu import cpu_supports_kernel
-
     if cpu_supports_kernel(cpuinfo):
         return "gguf"
     return "bfloat16" if cpu_has_native_bf16(cpuinfo) else "float32"

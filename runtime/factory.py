@@ -9,14 +9,14 @@ from runtime.interface import Backend
 def create_backend(config) -> Backend:
     """An (unstarted) backend; ``await backend.start()`` loads/connects it.
 
-    ``EngineConfig`` → the embedded engine (:class:`runtime.async_engine.AsyncEngine`);
+    ``EngineConfig`` → the embedded engine (:class:`runtime.engine.async_engine.AsyncEngine`);
     ``runtime.sglang.client.SGLangConfig`` → the SGLang client backend.
 
     Raises:
         TypeError: an unknown config type.
     """
     if isinstance(config, EngineConfig):
-        from runtime.async_engine import AsyncEngine
+        from runtime.engine.async_engine import AsyncEngine
 
         return AsyncEngine(config)
     from runtime.sglang.client import SGLangBackend, SGLangConfig

@@ -99,7 +99,7 @@ class SpecStats:
     strings, EOS or max_tokens are not counted.
 
     A round is one target forward the request decoded in. ``gated_rounds`` of them
-    were plain decode steps chosen by the speculation gate (``runtime.dspark.gate``):
+    were plain decode steps chosen by the speculation gate (``runtime.speculation.gate``):
     each counts as a round with 0 drafted / 0 verified / 0 accepted / 1 emitted, so
     ``emitted`` is still every token after the first and ``tau`` the tokens per forward.
     """
@@ -286,7 +286,7 @@ class SpecInfo:
             ``dspark``, ``dspark-sla``); ``None`` without speculation.
         block_size: γ drafted per round (0 without speculation).
         sps_table: the SPS table in use as a JSON-able dict
-            (``runtime.dspark.sps.SpsTable.to_dict()``), or ``None``.
+            (``runtime.speculation.sps.SpsTable.to_dict()``), or ``None``.
     """
 
     method: str
@@ -298,7 +298,7 @@ class SpecInfo:
 @runtime_checkable
 class Backend(Protocol):
     """What the gateway talks to. Implemented by the embedded engine
-    (``runtime.async_engine.AsyncEngine``) and later the SGLang client."""
+    (``runtime.engine.async_engine.AsyncEngine``) and later the SGLang client."""
 
     @property
     def info(self) -> BackendInfo: ...

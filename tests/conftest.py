@@ -33,7 +33,7 @@ def isolated_cache_dir(tmp_path_factory):
     cache (a cached SPS profile, the SQLite database) leaks into a test. Only the content-keyed
     build products are shared with the real cache, by symlink: the converted model
     (``models/``, ~14 s to convert) and the compiled C++ kernels (``torch_extensions/``)."""
-    from runtime.models.loader import cache_dir
+    from runtime.config import cache_dir
 
     real, tmp = cache_dir(), tmp_path_factory.mktemp("sparkgate-cache")
     for name in ("models", "torch_extensions"):

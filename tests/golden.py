@@ -61,7 +61,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def run_method(model, tokenizer, method: str, policy: str) -> dict[str, dict]:
     """Greedy outputs of all prompts in one batch: ``{index: {"tokens": [...], "spec": {...}|None}}``."""
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 
     events: dict[str, list] = {}

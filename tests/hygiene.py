@@ -29,16 +29,16 @@ _BUDGET = pytest.StashKey[float | None]()
 
 
 def _kernels() -> dict[str, frozenset[str]]:
-    """Kernel path → the CPU flags it needs (from the kernel modules themselves)."""
-    from runtime.kernels import gguf_cpu
+    """Kernel path → the CPU flags it needs (as ``runtime.config`` states them)."""
+    from runtime.config import AMX_FLAGS, KERNEL_FLAGS
 
-    return {"gguf (avx512_bf16)": gguf_cpu.KERNEL_FLAGS, "amx": gguf_cpu.AMX_FLAGS}
+    return {"gguf (avx512_bf16)": KERNEL_FLAGS, "amx": AMX_FLAGS}
 
 
 def missing_cpu_flags(required: frozenset[str], flags: set[str] | None = None) -> list[str]:
     """The flags of ``required`` this CPU (or the given ``flags``) lacks, sorted."""
     if flags is None:
-        from runtime.kernels.gguf_cpu import cpu_flags
+        from runtime.config import cpu_flags
 
         flags = cpu_flags()
     return sorted(required - flags)
@@ -96,6 +96,7 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def gguf_kernel() -> None:
     """Tests of the gguf C++ kernel (AVX512-BF16): run and required where the CPU can, else skip."""
-    from runtime.kernels import gguf_cpu
+    from runtime.config import KERNEL_FLAGS
+    from runtime.kernels.cpu import gguf_cpu
 
-    require_cpu_kernel("the gguf CPU kernel", gguf_cpu.KERNEL_FLAGS, gguf_cpu.kernel_available)
+    require_cpu_kernel("the gguf CPU kernel", KERNEL_FLAGS, gguf_cpu.kernel_available)

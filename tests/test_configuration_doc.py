@@ -29,7 +29,7 @@ ENV_READERS = {
     "runtime/sglang/plugin/sla_hook.py": "the SLA plugin's, in the SGLang servers' processes",
     "runtime/sglang/plugin/install.py": "the plugin's boot file and install check",
     "runtime/sglang/launch.py": "copies the environment for the SGLang server it starts",
-    "runtime/kernels/gguf_cpu.py": "PATH, so torch finds ninja to build the kernels",
+    "runtime/kernels/cpu/gguf_cpu.py": "PATH, so torch finds ninja to build the kernels",
 }
 
 

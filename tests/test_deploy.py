@@ -89,7 +89,7 @@ def speculating_gateway():
     loaded machine takes over the test's rounds (over a minute would refill it)."""
     from gateway.main import create_app
     from gateway.ratelimit import RateLimiter
-    from runtime.dspark.sps import SpsTable
+    from runtime.speculation.sps import SpsTable
     from runtime.interface import SpecInfo
     from tests.fakes import FakeBackend
 

@@ -1,10 +1,10 @@
-"""Tests for runtime/detokenizer.py with the real SmolLM2 tokenizer."""
+"""Tests for runtime/engine/detokenizer.py with the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.detokenizer import Detokenizer, StepResult
+from runtime.engine.detokenizer import Detokenizer, StepResult
 from runtime.interface import FinishReason, SamplingParams
 
 EOS = 2

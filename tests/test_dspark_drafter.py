@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.dspark.checkpoint import load_drafter, read_config, save_drafter
-from runtime.dspark.config import DrafterConfig
-from runtime.dspark.drafter import DSparkDrafter
-from runtime.dspark.prompt_lookup import one_hot_probs, propose_ngram
-from runtime.dspark.verifier import spec_round
+from runtime.speculation.checkpoint import load_drafter, read_config, save_drafter
+from runtime.speculation.config import DrafterConfig
+from runtime.speculation.drafter import DSparkDrafter
+from runtime.speculation.prompt_lookup import one_hot_probs, propose_ngram
+from runtime.speculation.verifier import spec_round
 from runtime.models.llama import SeqSpan
-from runtime.sampler import SamplingBatch
+from runtime.engine.sampler import SamplingBatch
 
 pytestmark = pytest.mark.model
 
@@ -347,7 +347,7 @@ def test_greedy_speculative_equals_ar_end_to_end(target_fp32, drafter):
 def test_export_casts_every_float_tensor_and_keeps_the_config(target_fp32, tmp_path):
     from safetensors.torch import load_file
 
-    from runtime.dspark.checkpoint import export_checkpoint
+    from runtime.speculation.checkpoint import export_checkpoint
 
     cfg = DrafterConfig(markov_rank=32, num_layers=1, init_seed=5, sts_temperatures=[1.0, 1.2, 0.9, 1.0, 1.1, 1.3, 2.0])
     d = DSparkDrafter(target_fp32, cfg)

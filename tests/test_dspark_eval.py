@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dspark.checkpoint import save_drafter
-from runtime.dspark.config import DrafterConfig
-from runtime.dspark.drafter import DSparkDrafter
-from runtime.dspark.evaluate import (
+from runtime.speculation.checkpoint import save_drafter
+from runtime.speculation.config import DrafterConfig
+from runtime.speculation.drafter import DSparkDrafter
+from training.evaluate import (
     TASK_CAPS,
     BlockStats,
     DrafterMethod,
@@ -28,7 +28,7 @@ from runtime.dspark.evaluate import (
     walk_rounds,
     write_report,
 )
-from runtime.dspark.features import teacher_forward
+from training.features import teacher_forward
 
 MAX_NEW = 32
 
@@ -193,9 +193,9 @@ def test_live_t1_tau_cross_checks_the_expected_t1_tau(setup, target_fp32, tokeni
 
 @pytest.mark.model
 def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_path):
-    from runtime.dspark.checkpoint import load_drafter
-    from runtime.dspark.data import Sample, write_shard
-    from runtime.dspark.evaluate import calibrate_sts
+    from runtime.speculation.checkpoint import load_drafter
+    from training.data import Sample, write_shard
+    from training.evaluate import calibrate_sts
 
     prompts, ids, ar, dr = setup
     write_shard(tmp_path / "data", 0, [Sample(f"h:{i}", "chat", pid, len(pid), "length", True) for i, pid in enumerate(ids)]
@@ -217,8 +217,8 @@ def test_calibrate_writes_sts_temperatures(setup, target_fp32, tokenizer, tmp_pa
 def test_calibrate_t1_labels_are_the_expected_survival(setup, target_fp32, tokenizer, tmp_path):
     """``calibrate --labels t1``: the label of position k is Π_{i≤k} α_i of the same teacher-forced
     blocks the T = 1 τ uses, so the mean label sum per anchor is that τ − 1; z_k from those blocks."""
-    from runtime.dspark.data import Sample, write_shard
-    from runtime.dspark.evaluate import calibrate_sts, slot_valid
+    from training.data import Sample, write_shard
+    from training.evaluate import calibrate_sts, slot_valid
 
     prompts, ids, ar, dr = setup
     write_shard(tmp_path / "data", 0, [Sample(f"h:{i}", "chat", pid, len(pid), "length", True) for i, pid in enumerate(ids)])

@@ -1,4 +1,4 @@
-"""Prefix scheduler (runtime/dspark/scheduler.py) and SLA weights (runtime/dspark/sla.py).
+"""Prefix scheduler (runtime/speculation/budget.py) and SLA weights (runtime/speculation/sla.py).
 
 Paper §3.2.2, Alg. 1, Appendix A.
 """
@@ -17,15 +17,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from runtime.dspark.scheduler import (
+from runtime.speculation.budget import (
     POLICIES,
     Schedule,
     schedule,
     schedule_dspark,
     schedule_dspark_sla,
 )
-from runtime.dspark.sla import SlaTier, sla_weight, sla_weights
-from runtime.dspark.sps import SpsTable
+from runtime.speculation.sla import SlaTier, sla_weight, sla_weights
+from runtime.speculation.sps import SpsTable
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = SpsTable.load(ROOT / "tests" / "data" / "sps_table.json")
@@ -203,7 +203,7 @@ def test_early_stop_never_reads_past_a_rejected_candidate():
         def __iter__(self):
             return (self[i] for i in range(len(self)))
 
-    from runtime.dspark import scheduler as sch
+    from runtime.speculation import budget as sch
 
     sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
     rows = sch._rows([[0.8, 0.9]])
@@ -398,7 +398,7 @@ def test_sla_weight_errors_and_stdlib_only():
         sla_weights([1.0], [])
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sla', {str(ROOT / 'runtime/dspark/sla.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('sla', {str(ROOT / 'runtime/speculation/sla.py')!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "assert m.sla_weight(10.0, 0.0) == 4.0\n"
         "bad = {'torch', 'numpy'} & set(sys.modules)\n"

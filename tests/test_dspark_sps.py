@@ -1,4 +1,4 @@
-"""SPS table (runtime/dspark/sps.py): interpolation, monotonisation, storage, profile()."""
+"""SPS table (runtime/speculation/sps.py): interpolation, monotonisation, storage, profile()."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.dspark.sps import (
+from runtime.speculation.sps import (
     SpsTable,
     cache_key,
     cache_path,

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (runtime/dspark/sts.py), paper §3.2.1."""
+"""Sequential Temperature Scaling (runtime/speculation/sts.py), paper §3.2.1."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dspark.sts import apply_sts, calibrate, ece, fit_sts, survival_labels
+from runtime.speculation.sts import apply_sts, calibrate, ece, fit_sts, survival_labels
 
 
 def _synthetic(seed, n, temps_true, mean=1.5, sd=1.6):

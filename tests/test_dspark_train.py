@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dspark.config import DrafterConfig
-from runtime.dspark.data import (
+from runtime.speculation.config import DrafterConfig
+from training.data import (
     CATEGORIES,
     DrafterData,
     RegenConfig,
@@ -24,9 +24,9 @@ from runtime.dspark.data import (
     regenerate,
     write_shard,
 )
-from runtime.dspark.drafter import DSparkDrafter
-from runtime.dspark.features import block_targets, sample_anchors, target_log_probs, teacher_forward
-from runtime.dspark.train import (
+from runtime.speculation.drafter import DSparkDrafter
+from training.features import block_targets, sample_anchors, target_log_probs, teacher_forward
+from training.train import (
     TrainConfig,
     block_forward,
     confidence_logits,
@@ -38,7 +38,7 @@ from runtime.dspark.train import (
     position_weights,
     train,
 )
-from runtime.sampler import SamplingBatch
+from runtime.engine.sampler import SamplingBatch
 from tests.drafter_data import tiny_sequences
 
 V = 49152
@@ -143,7 +143,7 @@ def test_training_forward_equals_serving_forward(target_fp32, teacher_batch, var
 def test_sample_anchors_of_a_sequence_with_no_response_stay_inside_it():
     """A prompt cut at max_len fills the whole sequence: no valid anchor, and the placeholder
     anchor must still index a token of it (a real crash at step ~59 of a 5,500-sequence run)."""
-    from runtime.dspark.features import TeacherBatch
+    from training.features import TeacherBatch
 
     prompt_lens, lengths = torch.tensor([768, 5, 3]), torch.tensor([768, 9, 3])
     anchors, ok = sample_anchors(prompt_lens, lengths, 4, torch.Generator().manual_seed(0))
@@ -232,8 +232,8 @@ def test_draft_vocab_loss_is_the_restricted_drafters_distance(target_fp32, teach
 
 @pytest.mark.model
 def test_warm_start_keeps_the_weights_drops_sts_and_copies_the_vocab(tmp_path, target_fp32, tokenizer):
-    from runtime.dspark.checkpoint import load_drafter, read_config, save_drafter
-    from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE
+    from runtime.speculation.checkpoint import load_drafter, read_config, save_drafter
+    from runtime.speculation.fast_drafter import DRAFT_VOCAB_FILE
 
     data = _tiny_data(tokenizer)
     src = tmp_path / "src"
@@ -301,7 +301,7 @@ def test_training_smoke_loss_falls_and_resumes(tmp_path, target_fp32, tokenizer)
     assert float(after.total) < float(before.total) - 0.3
     assert after.ce < before.ce - 2.0 and after.l1 < before.l1
     assert (tmp_path / "ck" / "learning_curve.png").stat().st_size > 1000
-    from runtime.dspark.checkpoint import load_drafter
+    from runtime.speculation.checkpoint import load_drafter
 
     reloaded = load_drafter(tmp_path / "ck", target_fp32)
     assert abs(float(fixed_loss(reloaded).total) - float(after.total)) < 1e-4

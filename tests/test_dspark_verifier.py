@@ -1,4 +1,4 @@
-"""Speculative sampling (runtime.dspark.verifier) is lossless; planted bugs are caught.
+"""Speculative sampling (runtime.speculation.verifier) is lossless; planted bugs are caught.
 
 Synthetic setting: vocabulary V = 8, γ = 3. The target is a Markov chain over tokens
 (p_t(· | prefix) = P_t[last token]); the drafter has per-(anchor, slot) base logits
@@ -17,12 +17,12 @@ import pytest
 import torch
 from scipy import stats
 
-from runtime.dspark.confidence_head import ConfidenceHead
-from runtime.dspark.drafter import sample_block
-from runtime.dspark.markov_head import MarkovHead
-from runtime.dspark import verifier
-from runtime.dspark.verifier import spec_round, verify
-from runtime.sampler import warp_probs
+from runtime.speculation.confidence_head import ConfidenceHead
+from runtime.speculation.drafter import sample_block
+from runtime.speculation.markov_head import MarkovHead
+from runtime.speculation import verifier
+from runtime.speculation.verifier import spec_round, verify
+from runtime.engine.sampler import warp_probs
 
 V, GAMMA, RANK, HID = 8, 3, 4, 4
 N = 20000

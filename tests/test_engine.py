@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import Failed, Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
 
 pytestmark = pytest.mark.model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import Failed, Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import SeqSpan
 from tests.test_spec_engine import OracleProposer, chat_ids
@@ -125,7 +125,7 @@ def test_logprobs_are_raw_target_not_the_warped_sampling_distribution(target_fp3
 
 def test_no_logprobs_no_work(target_fp32, tokenizer, prompts, monkeypatch):
     """Requests that do not ask never reach the logprob computation."""
-    import runtime.engine as eng
+    import runtime.engine.llm_engine as eng
 
     def boom(*a, **k):
         raise AssertionError("token_logprobs called for a request without logprobs")

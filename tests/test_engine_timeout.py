@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""The fused CPU drafter (runtime/dspark/fast_drafter.py) against the reference torch drafter.
+"""The fused CPU drafter (runtime/speculation/fast_drafter.py) against the reference torch drafter.
 
 Q8_0 quantisation against gguf-py's reference bytes; the draft vocabulary file; and, on the
 real gguf target with the committed drafter: the context K/V, greedy drafts, sampled p_d
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dspark.fast_drafter import DRAFT_VOCAB_FILE, build_draft_vocab, load_draft_vocab, quantize_q8_0
-from runtime.kernels import gguf_cpu
+from runtime.speculation.fast_drafter import DRAFT_VOCAB_FILE, build_draft_vocab, load_draft_vocab, quantize_q8_0
+from runtime.kernels.cpu import gguf_cpu
 from runtime.models.llama import SeqSpan
-from runtime.sampler import SamplingBatch
+from runtime.engine.sampler import SamplingBatch
 
 V = 49152
 
@@ -52,8 +52,8 @@ def test_draft_vocab_file_validation(tmp_path):
 
 def test_committed_draft_vocab_is_reproducible():
     """The committed draft vocabulary is the 8,192 most frequent training-response tokens."""
-    from runtime.dspark.data import load_data
-    from runtime.speculator import DEFAULT_CHECKPOINT
+    from training.data import load_data
+    from runtime.speculation.speculator import DEFAULT_CHECKPOINT
 
     committed = json.loads((DEFAULT_CHECKPOINT / DRAFT_VOCAB_FILE).read_text())
     res = build_draft_vocab(load_data(), committed["size"], V)
@@ -66,10 +66,10 @@ def test_committed_draft_vocab_is_reproducible():
 # -- on the real gguf target ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(gguf_kernel, model_dir, tokenizer):
-    from runtime.dspark.checkpoint import load_drafter
-    from runtime.dspark.fast_drafter import FastDrafter
+    from runtime.speculation.checkpoint import load_drafter
+    from runtime.speculation.fast_drafter import FastDrafter
     from runtime.models.llama import load_llama
-    from runtime.speculator import DEFAULT_CHECKPOINT
+    from runtime.speculation.speculator import DEFAULT_CHECKPOINT
 
     target = load_llama(model_dir, "gguf")
     drafter = load_drafter(DEFAULT_CHECKPOINT, target)

@@ -1,4 +1,4 @@
-"""The teacher-feature disk cache (runtime/dspark/feature_cache.py): layout, equality with the
+"""The teacher-feature disk cache (training/feature_cache.py): layout, equality with the
 online teacher features and loss, resumable multi-process build, key checks, and training from it."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.dspark.config import DrafterConfig
-from runtime.dspark.data import DrafterData, Sample, load_data, write_shard
-from runtime.dspark.drafter import DSparkDrafter
-from runtime.dspark.feature_cache import CacheLayout, FeatureCache, build_feature_cache
-from runtime.dspark.features import TeacherHead, block_targets, sample_anchors, teacher_forward
-from runtime.dspark.train import TrainConfig, micro_batch_loss, train
+from runtime.speculation.config import DrafterConfig
+from training.data import DrafterData, Sample, load_data, write_shard
+from runtime.speculation.drafter import DSparkDrafter
+from training.feature_cache import CacheLayout, FeatureCache, build_feature_cache
+from training.features import TeacherHead, teacher_forward
+from training.train import TrainConfig, micro_batch_loss, train
 from tests.drafter_data import tiny_sequences
 
 TAPS = [2, 8, 14, 20, 26]

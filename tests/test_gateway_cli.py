@@ -80,7 +80,7 @@ def test_serve_migrates_bootstraps_a_key_once_and_runs_uvicorn(tmp_path, monkeyp
     assert cli.main(["serve", "--port", "9123"]) == 0
     out = capsys.readouterr().out
     key = next(word for word in out.split() if word.startswith("sk-sg-"))
-    assert f"curl http://127.0.0.1:9123/v1/chat/completions" in out
+    assert "curl http://127.0.0.1:9123/v1/chat/completions" in out
     assert f'-H "Authorization: Bearer {key}"' in out
     assert f'OpenAI(base_url="http://127.0.0.1:9123/v1", api_key="{key}")' in out
     assert f'"model": "{MODEL}"' in out

@@ -192,7 +192,7 @@ def test_real_tokenizer_token_bytes(tokenizer):
     character's tokens are not valid UTF-8 alone, and whole tokens match decode()."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from runtime.detokenizer import _BYTE_DECODER, token_bytes
+    from runtime.engine.detokenizer import _BYTE_DECODER, token_bytes
 
     assert _BYTE_DECODER == {c: b for b, c in bytes_to_unicode().items()}
     text = "Naïve café — 😀 日本語!"
@@ -219,9 +219,9 @@ def _invalid(raw: bytes) -> bool:
 
 @contextlib.asynccontextmanager
 async def real_app(settings, target_fp32, tokenizer, **cfg):
-    from runtime.async_engine import AsyncEngine
+    from runtime.engine.async_engine import AsyncEngine
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     engine = AsyncEngine(EngineConfig(dtype="float32", max_batch_size=4, max_context=512, **cfg),
                          engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))

@@ -206,7 +206,7 @@ async def test_fastapi_validation_errors_are_400_openai_shape(settings):
     # Routes declaring typed parameters get FastAPI's validation; it must not answer 422.
     import httpx
 
-    from gateway.errors import install_error_handlers
+    from gateway.api.error_handlers import install_error_handlers
 
     app = FastAPI()
     install_error_handlers(app)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kernels import gguf_cpu
-from runtime.kernels.gguf_cpu import Q4_1, Q8_0, dequantize, reference_linear
+from runtime.kernels.cpu import gguf_cpu
+from runtime.config import cpu_supports_kernel
+from runtime.kernels.cpu.gguf_cpu import Q4_1, Q8_0, dequantize, reference_linear
 from runtime.models import gguf_weights
 from runtime.models.gguf_weights import GgufLinear, unpermute_rows
 
@@ -270,7 +271,7 @@ def test_engine_serves_gguf_greedy(model_dir, tokenizer):
     """``EngineConfig(dtype="gguf")``: the engine's greedy tokens are the gguf model's own
     one-token-at-a-time argmax continuation (fused layer where the kernel runs)."""
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from tests.engine_checks import assert_engine_greedy_is_model_argmax
 
     events: dict[str, list] = {}
@@ -278,6 +279,6 @@ def test_engine_serves_gguf_greedy(model_dir, tokenizer):
                        lambda rid, ev: events.setdefault(rid, []).append(ev), tokenizer=tokenizer)
     m = engine.model
     assert isinstance(m.layers[0].mlp.down_proj, GgufLinear) and m.lm_head_quant is not None
-    assert (m.fused_forward is not None) == gguf_cpu.cpu_supports_kernel()
+    assert (m.fused_forward is not None) == cpu_supports_kernel()
     prompts = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):\n    if n < 2:\n"]
     assert_engine_greedy_is_model_argmax(engine, events, [tokenizer(p)["input_ids"] for p in prompts])

@@ -1,7 +1,7 @@
 """Hardening, engine fault: an exception inside one model step (injected into the real
 SmolLM2 forward) fails exactly that step's requests with a ``Failed``/SSE error event,
 frees their KV slots, and the engine keeps serving queued and new requests — through
-``runtime.async_engine.AsyncEngine`` and through HTTP (SSE error event, then [DONE])."""
+``runtime.engine.async_engine.AsyncEngine`` and through HTTP (SSE error event, then [DONE])."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from runtime.async_engine import AsyncEngine
+from runtime.engine.async_engine import AsyncEngine
 from runtime.config import EngineConfig
 from runtime.interface import Failed, Finished, FinishReason, GenerationRequest, SamplingParams, TextDelta
 from tests.polling import async_wait_until
@@ -48,7 +48,7 @@ class FaultyModel:
 
 
 def make_backend(target_fp32, tokenizer, batch: int = 2) -> tuple[AsyncEngine, dict]:
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     holder: dict = {}
 

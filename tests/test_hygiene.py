@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kernels import gguf_cpu  # imported here: the inner sessions must not re-import torch
+from runtime import config
+from runtime.kernels.cpu import gguf_cpu  # noqa: F401 — imported here: the inner sessions must not re-import torch
 from tests.hygiene import FAST_BUDGET_ENV, SLOW_FIXTURES, kernel_report, require_cpu_kernel
 
 NEEDS = frozenset({"avx512f", "avx512_bf16"})
 AVX2_ONLY = {"sse2", "avx2", "fma", "avx512f"}
-XEON = set(gguf_cpu.KERNEL_FLAGS)
+XEON = set(config.KERNEL_FLAGS)
 
 
 def _never_built() -> bool:

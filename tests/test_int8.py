@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.models.llama import SeqSpan, load_llama
 from runtime.models.quant import KERNEL_MAX_ROWS, Int8Linear, dequantize_int8, quantize_int8
 from tests.engine_checks import assert_engine_greedy_is_model_argmax

@@ -1,8 +1,8 @@
 """GPU kernels: Triton vs torch, and the torch side itself.
 
 The verification kernel is compared, bit for bit, with the one verification module's
-standard mode (:func:`runtime.dspark.verifier.verify_chain`); the Markov kernel with
-:func:`runtime.kernels.reference.markov_sample_reference`.
+standard mode (:func:`runtime.speculation.verifier.verify_chain`); the Markov kernel with
+:func:`runtime.kernels.gpu.reference.markov_sample_reference`.
 
 The Triton kernels run on CUDA when a GPU is present, otherwise on CPU under
 ``TRITON_INTERPRET=1`` (set here before any kernel module is imported). Without
@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from runtime.dspark.verifier import verify_chain  # noqa: E402
+from runtime.speculation.verifier import verify_chain  # noqa: E402
 from runtime.kernels import dispatch  # noqa: E402
-from runtime.kernels.reference import (  # noqa: E402
+from runtime.kernels.gpu.reference import (  # noqa: E402
     QUANT_BITS,
     cdf_threshold,
     chain_offsets,
@@ -43,7 +43,7 @@ def kernels():
         import triton  # noqa: F401
     except Exception:  # pragma: no cover - depends on the environment
         require_or_skip(False, "triton (pip install triton; kernels run under TRITON_INTERPRET=1 on CPU)")
-    from runtime.kernels import triton_markov, triton_verify
+    from runtime.kernels.gpu import triton_markov, triton_verify
 
     if DEV == "cpu":
         from triton.runtime.interpreter import InterpretedFunction

@@ -104,7 +104,7 @@ def test_one_row_linear_is_bitwise_f_linear(dtype):
     of 576 outputs, by 4e-6 on a value near 0); there it must agree to bf16 rounding."""
     import torch.nn.functional as F
 
-    from runtime.kernels.gguf_cpu import AMX_FLAGS, cpu_flags
+    from runtime.config import AMX_FLAGS, cpu_flags
     from runtime.models.llama import Linear, linear
 
     bitwise = dtype == torch.float32 or AMX_FLAGS <= cpu_flags()

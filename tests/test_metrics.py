@@ -24,7 +24,7 @@ from gateway.crud import records as crud_records
 from gateway.crud.keys import issue_key
 from gateway.main import create_app
 from gateway.observe import CANCELLED, FAILED, FINISHED, REJECTED, RequestContext, RequestOutcome
-from runtime.dspark.sps import SpsTable
+from runtime.speculation.sps import SpsTable
 from runtime.interface import Finished, FinishReason, LoadSnapshot, RequestTimings, SpecInfo, SpecStats, TextDelta
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat, make_settings
@@ -415,7 +415,7 @@ def test_engine_verify_tokens_is_sum_of_per_round_budgets(target_fp32, tokenizer
     from pathlib import Path
 
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from runtime.interface import Finished, GenerationRequest, SamplingParams
 
     finals = {}

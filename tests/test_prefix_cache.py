@@ -1,4 +1,4 @@
-"""Automatic prefix caching (runtime/prefix_cache.py): the store's block/LRU logic on
+"""Automatic prefix caching (runtime/engine/prefix_cache.py): the store's block/LRU logic on
 synthetic KV, then the real model in fp32 — reused KV gives the same logits and greedy
 outputs as a fresh prefill (also under speculation), the hit counter counts exactly the
 reused block-aligned tokens, eviction and aborts leave a consistent store, and the
@@ -17,12 +17,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import FinishReason, GenerationRequest, LoadSnapshot, SamplingParams, TextDelta
-from runtime.kv_cache import KVCache
+from runtime.engine.kv_cache import KVCache
 from runtime.models.llama import SeqSpan
-from runtime.prefix_cache import PrefixCache, block_hashes
-from runtime.sequence import SeqStatus
+from runtime.engine.prefix_cache import PrefixCache, block_hashes
+from runtime.engine.sequence import SeqStatus
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import make_settings
 
@@ -375,7 +375,7 @@ def test_dspark_draft_context_is_restored_with_the_target_kv(target_fp32, tokeni
 # -- counters on the interfaces -------------------------------------------------------------
 
 def test_async_engine_load_reports_the_prefix_cache_counters():
-    from runtime.async_engine import AsyncEngine
+    from runtime.engine.async_engine import AsyncEngine
 
     a = AsyncEngine(EngineConfig())
     a.engine = SimpleNamespace(num_running=1, num_waiting=0, forward_steps=9, decode_steps=4, verify_tokens=4,

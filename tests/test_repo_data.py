@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from runtime.dspark.data import DATA_DIR, REPO_ROOT, load_train_prompts, read_jsonl
+from training.data import DATA_DIR, REPO_ROOT, load_train_prompts, read_jsonl
 from tests.conftest import require_or_skip
 
 SUMS = dict(reversed(line.split()) for line in (DATA_DIR / "SHA256SUMS").read_text().splitlines() if line.strip())
@@ -57,7 +57,7 @@ def test_no_tracked_file_names_a_development_machine_path():
             continue  # binary
         hits += [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}" for m in MACHINE_PATH.finditer(text)]
     assert hits == []
-    for rel in ("data/drafter/manifest.json", *(f"runtime/dspark/checkpoints/{c}/{f}" for c in ("default", "parallel")
+    for rel in ("data/drafter/manifest.json", *(f"runtime/speculation/checkpoints/{c}/{f}" for c in ("default", "parallel")
                                                 for f in ("train_config.json", "calibration.json"))):
         if (REPO_ROOT / rel).exists():
             text = (REPO_ROOT / rel).read_text()
@@ -65,8 +65,8 @@ def test_no_tracked_file_names_a_development_machine_path():
 
 
 def test_tests_never_read_the_user_cache(isolated_cache_dir):
-    from runtime.dspark.profile_engine import sps_cache_dir
-    from runtime.models.loader import cache_dir
+    from runtime.engine.profile import sps_cache_dir
+    from runtime.config import cache_dir
 
     assert cache_dir() != isolated_cache_dir and not sps_cache_dir().resolve().is_relative_to(isolated_cache_dir)
     assert (cache_dir() / "models").resolve() == (isolated_cache_dir / "models").resolve()  # shared: no reconversion
@@ -76,7 +76,7 @@ def test_tests_never_read_the_user_cache(isolated_cache_dir):
 def test_sparkgate_eval_runs_on_the_shipped_eval_data(tmp_path, capsys):
     from gateway.cli import main
 
-    ck = REPO_ROOT / "runtime" / "dspark" / "checkpoints" / "default"
+    ck = REPO_ROOT / "runtime" / "speculation" / "checkpoints" / "default"
     rc = main(["eval", "--max-samples", "1", "--tasks", "mt-bench", "--checkpoint", str(ck), "--dtype", "float32",
                "--max-new-tokens", "16", "--temperatures", "0", "--threads", "1", "--no-progress",
                "--report", str(tmp_path / "rep")])  # fmt: skip

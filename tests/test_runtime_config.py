@@ -35,7 +35,7 @@ def test_auto_resolves_by_cpu_and_explicit_names_pass_through():
 
 
 def test_engine_rejects_an_unknown_dtype():
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         LLMEngine(EngineConfig(dtype="int3"), lambda rid, ev: None, model=object(), tokenizer=object())
@@ -43,8 +43,8 @@ def test_engine_rejects_an_unknown_dtype():
 
 def test_speculator_rejects_an_unknown_policy_at_start_up():
     """An unknown ``spec_policy`` fails when the engine is built, not in every later step."""
-    from runtime.dspark.scheduler import POLICIES
-    from runtime.speculator import Speculator
+    from runtime.speculation.budget import POLICIES
+    from runtime.speculation.speculator import Speculator
 
     with pytest.raises(ValueError, match="spec_policy must be one of"):
         Speculator(EngineConfig(spec_method="dspark", spec_policy="x"), target=object(), num_slots=1, max_len=8)
@@ -59,7 +59,7 @@ def test_settings_accept_exactly_the_engine_dtypes(monkeypatch):
     from pydantic import ValidationError
 
     from gateway.core.config import Settings
-    from runtime.engine import DTYPES
+    from runtime.engine.llm_engine import DTYPES
 
     names = set(typing.get_args(Settings.model_fields["dtype"].annotation))
     assert names == {"auto", *DTYPES}
@@ -75,7 +75,7 @@ def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     """The default ``dtype="auto"`` reaches the engine unresolved (Settings → EngineConfig);
     the engine must resolve it, not reject it (``make serve`` runs with the default)."""
     from gateway.core.config import Settings
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
 
     assert Settings(_env_file=None).engine_config().dtype == "auto"
     e = LLMEngine(EngineConfig(dtype="auto", max_batch_size=1, max_context=64), lambda rid, ev: None,
@@ -95,8 +95,8 @@ def test_spec_gate_setting_reaches_the_engine_config(monkeypatch):
 
 @pytest.mark.model
 def test_engine_builds_the_gate_only_when_speculating_with_it_on(target_fp32, tokenizer):
-    from runtime.dspark.gate import SpecGate
-    from runtime.engine import LLMEngine
+    from runtime.speculation.gate import SpecGate
+    from runtime.engine.llm_engine import LLMEngine
 
     def gate(**cfg):
         return LLMEngine(EngineConfig(dtype="float32", max_batch_size=1, max_context=64, **cfg), lambda rid, ev: None,

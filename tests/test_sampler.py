@@ -1,4 +1,4 @@
-"""Tests for runtime/sampler.py: warping exactness, reproducibility, sampling law."""
+"""Tests for runtime/engine/sampler.py: warping exactness, reproducibility, sampling law."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from runtime.interface import SamplingParams
-from runtime.sampler import (
+from runtime.engine.sampler import (
     NUCLEUS_CANDIDATES,
     SamplingBatch,
     params_to_tensors,

@@ -1,4 +1,4 @@
-"""The SGLang SLA plugin: weights from runtime/dspark/sla.py, the confidence scaling, the
+"""The SGLang SLA plugin: weights from runtime/speculation/sla.py, the confidence scaling, the
 .pth installer, and the patch taking effect in a *spawned* child of another Python
 environment (as SGLang's scheduler processes are) against fake modules that have the
 dotted names and method signatures of sglang 0.5.23 (recorded in test_sglang_source.py,
@@ -158,12 +158,12 @@ def sglang_env(tmp_path_factory):
 
 @pytest.mark.slow
 def test_patch_applies_in_spawned_child_and_weights_the_split(sglang_env, tmp_path):
-    from runtime.dspark.sla import sla_weight
+    from runtime.speculation.sla import sla_weight
 
     python, _ = sglang_env
     res = _run_child(python, write_fake_sglang(tmp_path / "fake"))
     assert res["active"] and res["patched"] == [True, True]
-    assert Path(res["sla_file"]) == ROOT / "runtime" / "dspark" / "sla.py"  # the embedded scheduler's
+    assert Path(res["sla_file"]) == ROOT / "runtime" / "speculation" / "sla.py"  # the embedded scheduler's
     w_a = sla_weight(100.0, 10.0, max_weight=4.0)
     assert w_a == pytest.approx(1 + 3 * (1 - math.exp(-2.7)) / (1 - math.exp(-3)))
     unweighted = _expected_lens([1.0, 1.0, 1.0])
@@ -225,7 +225,7 @@ def test_weighted_confidence_scales_every_prefix_survival():
 
 
 def test_weigher_uses_sla_weight_and_tracks_speed():
-    from runtime.dspark.sla import sla_weight
+    from runtime.speculation.sla import sla_weight
     from runtime.sglang.plugin import sla_hook
 
     w = sla_hook.SlaWeigher(sharpness=0.0, unknown_weight=2.0)

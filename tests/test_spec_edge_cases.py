@@ -3,12 +3,12 @@
 Every case runs on the real SmolLM2 model (fp32, T = 0) through the gateway — the
 in-process app over ``httpx.ASGITransport``, streamed SSE and non-streamed JSON — for
 plain decoding (``none``), prompt lookup (``prompt_lookup``) and DSpark (``dspark``, the
-committed drafter in ``runtime/dspark/checkpoints/default``). γ (draft block size) is
+committed drafter in ``runtime/speculation/checkpoints/default``). γ (draft block size) is
 read from that checkpoint's config and served for every method; ``spec_gate`` is off
 and the policy ``fixed``, so every decode round drafts and verifies a whole block.
 
 Cuts are chosen from the method's own rounds, not guessed: a spy around
-:func:`runtime.dspark.verifier.spec_round` records the tokens each verification round
+:func:`runtime.speculation.verifier.spec_round` records the tokens each verification round
 produced (accepted drafts + bonus, *before* stop/EOS/max_tokens cuts). Expected values
 come from the plain-decoding reference (fp32 T = 0 speculation is lossless), and each
 speculative case asserts the round it targets really accepted drafts and really produced
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-import runtime.engine
-from runtime.speculator import DEFAULT_CHECKPOINT
+import runtime.engine.llm_engine
+from runtime.speculation.speculator import DEFAULT_CHECKPOINT
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -81,9 +81,9 @@ class Served:
 async def serve(method: str, model, tokenizer, db_url: str):
     """The gateway app over a real engine for ``method``, lifespan running."""
     from gateway.main import create_app
-    from runtime.async_engine import AsyncEngine
+    from runtime.engine.async_engine import AsyncEngine
     from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from tests.gateway_fixtures import make_settings
 
     cfg = EngineConfig(dtype="float32", max_batch_size=1, max_context=512, spec_method=method, spec_policy="fixed",
@@ -104,7 +104,7 @@ def rounds():
     """Tokens of each verification round of the engine (one request at a time), as
     :func:`spec_round` produced them — before stop / EOS / max_tokens cuts."""
     seen: list[list[int]] = []
-    real = runtime.engine.spec_round
+    real = runtime.engine.llm_engine.spec_round
 
     def recording(*args, **kwargs):
         res = real(*args, **kwargs)
@@ -112,7 +112,7 @@ def rounds():
         return res
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runtime.engine, "spec_round", recording)
+        mp.setattr(runtime.engine.llm_engine, "spec_round", recording)
         yield seen
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.dspark.evaluate import first_turns
-from runtime.engine import LLMEngine
+from training.evaluate import first_turns
+from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import FinishReason, GenerationRequest, SamplingParams, TextDelta
-from runtime.sequence import SeqStatus
+from runtime.engine.sequence import SeqStatus
 
 pytestmark = pytest.mark.model
 
@@ -78,7 +78,7 @@ def test_t0_speculative_equals_autoregressive_fp32(target_fp32, tokenizer, promp
 
 
 class ForcedGate:
-    """Stand-in for :class:`runtime.dspark.gate.SpecGate`: ``decide(k)`` for the k-th
+    """Stand-in for :class:`runtime.speculation.gate.SpecGate`: ``decide(k)`` for the k-th
     decision (1-based); measurements are ignored."""
 
     def __init__(self, decide):
@@ -191,8 +191,8 @@ class OracleProposer:
         self.prompt_len = prompt_len
 
     def __call__(self, seqs):
-        import runtime.speculator as sp
-        from runtime.dspark.prompt_lookup import one_hot_probs
+        import runtime.speculation.speculator as sp
+        from runtime.speculation.prompt_lookup import one_hot_probs
 
         tokens, drafted = [], []
         for s in seqs:
@@ -279,13 +279,13 @@ def test_sampling_tensors_built_once_per_step(target_fp32, tokenizer, monkeypatc
     """Issue 26: a step turns each sequence's sampling parameters into tensors once, shared by
     the drafter and verification (and the first-token sampler after prefill), so the rows
     converted are one per decode round of each request plus one first token per request."""
-    import runtime.engine
-    import runtime.sampler
-    import runtime.speculator
+    import runtime.engine.llm_engine
+    import runtime.engine.sampler
+    import runtime.speculation.speculator
 
     rows: list[int] = []
-    real = runtime.sampler.params_to_tensors
-    for mod in (runtime.sampler, runtime.engine, runtime.speculator):  # wherever the engine calls it from
+    real = runtime.engine.sampler.params_to_tensors
+    for mod in (runtime.engine.sampler, runtime.engine.llm_engine, runtime.speculation.speculator):  # wherever the engine calls it from
         if hasattr(mod, "params_to_tensors"):
             monkeypatch.setattr(mod, "params_to_tensors", lambda params, *a, **kw: rows.append(len(params)) or real(params, *a, **kw))
     prompts = [chat_ids(tokenizer, t) for t in ("Name three colours.", "Count to five.", "Say hi.")]

@@ -1,4 +1,4 @@
-"""The speculation gate (runtime/dspark/gate.py) with injected step timings: it picks the
+"""The speculation gate (runtime/speculation/gate.py) with injected step timings: it picks the
 faster mode per batch-size bucket, warms up each mode first, probes the losing mode every
 ``probe_every`` decisions, and follows changes. The engine side (real model) is in
 tests/test_spec_engine.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.dspark.gate import SpecGate, bucket_of
+from runtime.speculation.gate import SpecGate, bucket_of
 
 
 def drive(gate: SpecGate, n: int, steps: int, t_spec: float, tau: float, t_ar: float) -> list[bool]:

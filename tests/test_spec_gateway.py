@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.async_engine import AsyncEngine
+from runtime.engine.async_engine import AsyncEngine
 from runtime.config import EngineConfig
 
 pytestmark = pytest.mark.model
@@ -30,7 +30,7 @@ PROMPTS = [
 
 def make_app(target_fp32, tokenizer, db_url: str, spec_method: str, spec_gate: bool = False):
     from gateway.main import create_app
-    from runtime.engine import LLMEngine
+    from runtime.engine.llm_engine import LLMEngine
     from tests.gateway_fixtures import make_settings
 
     # spec_gate off: the gate decides by measured time, so the streamed and the plain run of a

@@ -63,11 +63,11 @@ import pytest
 import torch
 from scipy import stats
 
-from runtime.dspark.config import DrafterConfig
-from runtime.dspark.drafter import DraftBlock, DSparkDrafter
-from runtime.dspark.verifier import spec_round
+from runtime.speculation.config import DrafterConfig
+from runtime.speculation.drafter import DraftBlock, DSparkDrafter
+from runtime.speculation.verifier import spec_round
 from runtime.models.llama import SeqSpan
-from runtime.sampler import SamplingBatch, warp_probs
+from runtime.engine.sampler import SamplingBatch, warp_probs
 from tests.test_dspark_verifier import residual_from_target
 
 pytestmark = pytest.mark.model
@@ -391,9 +391,9 @@ def scheduler_plan(fork, top_p: float) -> tuple:
     that splits a pilot sample most evenly: c_2 depends on x_1 through W1[x_1], so ℓ
     depends on the drafted token — the case paper Appendix A is about (the decision must
     not look at the target). Returns (plan, threshold)."""
-    from runtime.dspark.scheduler import schedule
-    from runtime.dspark.sla import sla_weight
-    from runtime.dspark.sps import SpsTable
+    from runtime.speculation.budget import schedule
+    from runtime.speculation.sla import sla_weight
+    from runtime.speculation.sps import SpsTable
 
     m = 512
     gens = [torch.Generator().manual_seed(7_000_000 + i) for i in range(m)]

@@ -13,7 +13,7 @@ from gateway.crud import records as crud_records
 from gateway.db.models import RequestRecord
 from gateway.generation import ClientDisconnected
 from gateway.observe import RequestContext
-from runtime.dspark.sps import SpsTable
+from runtime.speculation.sps import SpsTable
 from runtime.interface import LoadSnapshot, SpecInfo, SpecStats
 from tests.fakes import FakeBackend
 from tests.gateway_fixtures import chat

@@ -1,6 +1,6 @@
-""":func:`runtime.dspark.verifier.verify` (the standard mode with generators) on both backends.
+""":func:`runtime.speculation.verifier.verify` (the standard mode with generators) on both backends.
 
-On CPU it is :func:`~runtime.dspark.verifier.verify_chain` on uniforms drawn from the
+On CPU it is :func:`~runtime.speculation.verifier.verify_chain` on uniforms drawn from the
 requests' generators in the documented order; with ``SPARKGATE_KERNELS=triton`` (what
 CUDA runs by default) the same call runs the Triton kernel — interpreted on CPU under
 ``TRITON_INTERPRET=1``, set here before any kernel module is imported — and must give
@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from runtime.dspark import verifier  # noqa: E402
+from runtime.speculation import verifier  # noqa: E402
 from runtime.kernels import dispatch  # noqa: E402
-from runtime.sampler import uniform  # noqa: E402
+from runtime.engine.sampler import uniform  # noqa: E402
 from tests.conftest import require_or_skip  # noqa: E402
 
 LENS = [0, 3, 7, 2, 5]

@@ -27,7 +27,7 @@ SHARED = ("model_name", "max_context", "request_timeout_s")
 def default_database_url() -> str:
     """``sqlite+aiosqlite:///<cache_dir>/sparkgate.db`` (cache dir: ``$SPARKGATE_CACHE_DIR``
     or ``~/.cache/sparkgate``)."""
-    from runtime.models.loader import cache_dir  # only reads the environment
+    from runtime.config import cache_dir  # only reads the environment
 
     return f"sqlite+aiosqlite:///{cache_dir() / 'sparkgate.db'}"
 

@@ -1,9 +1,9 @@
 """Backend choice for the GPU kernels: Triton on CUDA, torch elsewhere.
 
 :func:`backend_for` picks the backend of the verification kernel (called by
-:func:`runtime.dspark.verifier.verify`, whose torch path is the kernel's
+:func:`runtime.speculation.verifier.verify`, whose torch path is the kernel's
 specification) and of :func:`markov_sample`, which takes the same arguments as
-:func:`~runtime.kernels.reference.markov_sample_reference` and returns the same
+:func:`~runtime.kernels.gpu.reference.markov_sample_reference` and returns the same
 result. The Triton path is used when the inputs are CUDA tensors and ``triton``
 imports; otherwise (CPU engine, no triton) torch runs. The environment variable
 ``SPARKGATE_KERNELS`` (read by :func:`kernels_mode` only) overrides: ``reference``
@@ -12,7 +12,7 @@ CPU tensors this only works under ``TRITON_INTERPRET=1``), ``auto`` (default) as
 
 The fused Markov sampler implements temperature only. A request that uses top-k
 or top-p (:func:`fused_markov_supported` is False) must be drafted through the
-engine's non-fused path (Markov head + :func:`runtime.sampler.warp_probs` per
+engine's non-fused path (Markov head + :func:`runtime.engine.sampler.warp_probs` per
 step), since its p_d must be the warped distribution actually sampled from.
 """
 
@@ -23,7 +23,7 @@ import functools
 import torch
 
 from runtime.config import env
-from runtime.kernels.reference import MarkovResult, markov_sample_reference
+from runtime.kernels.gpu.reference import MarkovResult, markov_sample_reference
 
 _ENV = "SPARKGATE_KERNELS"
 
@@ -32,8 +32,8 @@ _ENV = "SPARKGATE_KERNELS"
 def triton_available() -> bool:
     """True when ``triton`` and this package's Triton kernels import."""
     try:
-        import runtime.kernels.triton_markov  # noqa: F401
-        import runtime.kernels.triton_verify  # noqa: F401
+        import runtime.kernels.gpu.triton_markov  # noqa: F401
+        import runtime.kernels.gpu.triton_verify  # noqa: F401
     except Exception:  # ImportError, or a broken triton install
         return False
     return True
@@ -91,9 +91,9 @@ def markov_sample(
     *,
     return_probs: bool = True,
 ) -> MarkovResult:
-    """Markov-head sequential sampling (contract: :func:`~runtime.kernels.reference.markov_sample_reference`)."""
+    """Markov-head sequential sampling (contract: :func:`~runtime.kernels.gpu.reference.markov_sample_reference`)."""
     if backend_for(base_logits) == "triton":
-        from runtime.kernels.triton_markov import markov_sample_triton
+        from runtime.kernels.gpu.triton_markov import markov_sample_triton
 
         return markov_sample_triton(base_logits, w1, w2, anchors, temperature, uniforms, return_probs=return_probs)
     return markov_sample_reference(base_logits, w1, w2, anchors, temperature, uniforms, return_probs=return_probs)

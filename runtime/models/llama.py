@@ -1,7 +1,7 @@
 """A lean Llama-architecture model for the target (SmolLM2-135M-Instruct).
 
 RMSNorm, rotary embeddings (rotate-half layout, as in HF Llama), grouped-query
-attention over a slot KV cache (:mod:`runtime.kv_cache`), SwiGLU MLP, tied LM head.
+attention over a slot KV cache (:mod:`runtime.engine.kv_cache`), SwiGLU MLP, tied LM head.
 
 The forward is ONE flattened ragged pass over all scheduled tokens of all
 sequences: the token dimension ``T = Σ_i n_i`` concatenates ``n_i`` new tokens of
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.kv_cache import KVCache
+from runtime.engine.kv_cache import KVCache
 
 
 @contextlib.contextmanager

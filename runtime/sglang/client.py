@@ -88,7 +88,6 @@ from typing import Any, AsyncIterator, Sequence
 
 import httpx
 
-from runtime.dspark.sla import DEFAULT_MAX_WEIGHT
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -104,6 +103,7 @@ from runtime.interface import (
     TextDelta,
 )
 from runtime.sglang.router import NoHealthyUpstream, Upstream, UpstreamRouter
+from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
 log = logging.getLogger(__name__)
 
@@ -511,7 +511,7 @@ class SGLangBackend:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        from runtime.detokenizer import token_bytes
+        from runtime.engine.detokenizer import token_bytes
 
         return token_bytes(self._tokenizer, token_ids)
 

@@ -4,6 +4,6 @@
 * :mod:`.install` — writes the ``.pth`` + boot module into SGLang's site-packages.
 
 Both are stdlib only and import nothing else from ``runtime`` (the weight function
-``runtime/dspark/sla.py`` is loaded by file path), so this package imports cleanly in
+``runtime/speculation/sla.py`` is loaded by file path), so this package imports cleanly in
 SGLang's own environment. Importing this package does not activate anything.
 """

@@ -1,7 +1,7 @@
 """SLA weights inside SGLang 0.5.23's DSpark verify scheduler (runs in SGLang's processes).
 
 Stdlib only, and it imports nothing from ``runtime`` as a package: the weight function is
-loaded from the file ``runtime/dspark/sla.py`` (the module the embedded scheduler uses)
+loaded from the file ``runtime/speculation/sla.py`` (the module the embedded scheduler uses)
 by path, so this works in SGLang's own Python environment without torch-free shims.
 The ``.pth`` installer (:mod:`runtime.sglang.plugin.install`) loads this file the same
 way at interpreter start-up, so the patch is active in every process SGLang spawns
@@ -21,7 +21,7 @@ its anchor (min verify length 1).
 What this plugin changes
 ------------------------
 K is left alone (the throughput-optimal budget). The split ranks w_r·a_{r,j} instead of
-a_{r,j}, with w_r = ``runtime.dspark.sla.sla_weight(target_r, measured_r, max_weight=cap_r,
+a_{r,j}, with w_r = ``runtime.speculation.sla.sla_weight(target_r, measured_r, max_weight=cap_r,
 sharpness, unknown_weight)`` — the same function as the embedded ``dspark-sla`` policy.
 Implementation: column 0 of a *copy* of the confidence tensor (shape ``[bs, γ]``, any
 float dtype, any device) is multiplied by w_r; ``cumprod`` then gives w_r·a_{r,j} for
@@ -32,7 +32,7 @@ budget K, for acceptance and for metrics are untouched.
 Losslessness: w_r is computed before the step from r's past decode speed (never from
 this step's drafts), and for fixed r the weighted values w_r·a_{r,j} are still
 non-increasing in j, so the value-independent order still admits each request's drafts
-as a prefix — the stopping-time argument of :mod:`runtime.dspark.scheduler` holds.
+as a prefix — the stopping-time argument of :mod:`runtime.speculation.budget` holds.
 Caveat: SGLang drops candidates with survival < ``survival_eps`` (1e-6); the test now
 sees w_r·a, so a candidate with a ∈ [1e-6/w_r, 1e-6) becomes eligible (immaterial).
 
@@ -79,7 +79,7 @@ MAX_WEIGHT_KEY = "sparkgate_sla_max_weight"
 #: (and the boot file's on/off check, ``install.py``): name → (default, meaning).
 ENV = {
     "SPARKGATE_SLA_PLUGIN": ("1", "``0`` disables the SGLang SLA plugin (``runtime/sglang/plugin``)."),
-    "SPARKGATE_SLA_SHARPNESS": (3.0, "the SLA plugin's ``sharpness`` of ``runtime.dspark.sla.sla_weight``."),
+    "SPARKGATE_SLA_SHARPNESS": (3.0, "the SLA plugin's ``sharpness`` of ``runtime.speculation.sla.sla_weight``."),
     "SPARKGATE_SLA_UNKNOWN_WEIGHT": (1.0, "the SLA plugin's weight of a request not measured yet."),
 }
 ENV_ENABLE, ENV_SHARPNESS, ENV_UNKNOWN_WEIGHT = ENV
@@ -93,14 +93,14 @@ PLANNER_METHOD = "_schedule_verify_lens"
 #: keyword-only parameters the planner method must have (0.5.23 signature)
 PLANNER_KWARGS = ("req_pool_indices", "prefix_lens", "device", "confidence", "budget")
 
-SLA_FILE = Path(__file__).resolve().parents[2] / "dspark" / "sla.py"
+SLA_FILE = Path(__file__).resolve().parents[2] / "speculation" / "sla.py"
 _PATCHED = "__sparkgate_sla_patched__"
 
 
 def _load_sla():
-    """The ``runtime/dspark/sla.py`` module: the already-imported one if it is that file,
+    """The ``runtime/speculation/sla.py`` module: the already-imported one if it is that file,
     else the file loaded by path under the private name ``_sparkgate_sla``."""
-    existing = sys.modules.get("runtime.dspark.sla")
+    existing = sys.modules.get("runtime.speculation.sla")
     if existing is not None and Path(getattr(existing, "__file__", "")).resolve() == SLA_FILE:
         return existing
     existing = sys.modules.get("_sparkgate_sla")

@@ -1,1 +1,0 @@
-"""DSpark: confidence-scheduled speculative decoding (arXiv:2607.05147)."""

@@ -1,0 +1,371 @@
+"""The embedded engine: ``schedule() → run one ragged forward → postprocess()``.
+
+Synchronous and single-threaded on purpose (nano-vllm style); the asyncio side
+lives in :mod:`runtime.engine.async_engine`, which runs :meth:`LLMEngine.step` in a
+worker thread so the HTTP event loop never blocks.
+
+One step = ONE target forward (counted in :attr:`LLMEngine.forward_steps`) over
+every decoding sequence's anchor token (plus verified draft tokens when
+speculating) and the prefill chunks the batch scheduler picked. With a speculator,
+the speculation gate (:mod:`runtime.speculation.gate`, ``EngineConfig.spec_gate``) decides
+before drafting whether a step speculates or decodes plainly (every ℓ_r = 0).
+
+Logprobs (requests with ``SamplingParams.logprobs`` set) come from the same
+forward: the raw target logits of the row that produced each emitted token
+(:mod:`runtime.engine.logprobs`), one batched ``log_softmax`` over just those rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+from runtime.config import EngineConfig, resolve_dtype
+from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.logprobs import token_logprobs
+from runtime.engine.prefix_cache import engine_prefix_cache
+from runtime.engine.sampler import SamplingBatch, request_generator
+from runtime.engine.scheduler import BatchScheduler, StepPlan
+from runtime.engine.sequence import SeqStatus, SequenceState
+from runtime.interface import (
+    MAX_TOP_LOGPROBS,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    TextDelta,
+    TokenLogprob,
+    clamp_max_tokens,
+)
+from runtime.models.gguf_weights import use_kernel_threads
+from runtime.models.llama import LlamaModel, SeqSpan, load_llama
+from runtime.models.loader import MODEL_NAME, ensure_converted
+from runtime.speculation import sps_profiler
+from runtime.speculation.gate import SpecGate
+from runtime.speculation.speculator import Speculator
+from runtime.speculation.verifier import spec_round
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "int8": torch.int8,  # opt-in weight-only int8 linears over fp32 activations (runtime.models.quant)
+          "gguf": "gguf"}  # the GGUF's own Q4_1/Q8_0 blocks over bf16 activations (runtime.models.gguf_weights)
+
+EmitFn = Callable[[str, Event], None]
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLMEngine:
+    """Continuous-batching engine over the lean Llama target.
+
+    Args:
+        config: engine knobs.
+        emit: called (in the engine thread) with ``(request_id, event)`` for every
+            :class:`TextDelta` / :class:`Finished` / :class:`Failed`.
+        model, tokenizer: injected for tests; loaded from the cache otherwise.
+        clock: seconds for request deadlines (``time.monotonic``; tests inject a fake
+            one so a deadline does not race a slow forward on a loaded machine).
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+
+    def __init__(self, config: EngineConfig, emit: EmitFn, model: LlamaModel | None = None, tokenizer=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if config.dtype == "auto":  # the default: gguf where its kernels run, else bf16 / fp32 by the CPU
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
+            log.info("dtype auto → %s", config.dtype)
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.emit = emit
+        self.clock = clock
+        model_dir = None
+        if model is None or tokenizer is None:
+            model_dir = ensure_converted()
+        self.model = model if model is not None else load_llama(model_dir, DTYPES[config.dtype])
+        use_kernel_threads(self.model, config.num_threads or os.cpu_count() or 1)  # gguf: see its docstring
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.model_name = MODEL_NAME
+        self.eos_token_id = self.model.cfg.eos_token_id
+        self.lookahead = config.num_speculative_tokens + 1 if config.spec_method != "none" else 1
+        self.cache = self.model.new_cache(config.max_batch_size, config.max_context + self.lookahead)
+        self.scheduler = BatchScheduler(self.cache, config.max_step_tokens, config.prefill_chunk_tokens)
+        self.speculator = (
+            Speculator(config, self.model, config.max_batch_size, self.cache.max_len) if config.spec_method != "none" else None
+        )
+        # Automatic prefix caching (runtime/engine/prefix_cache.py); None when disabled.
+        self.prefix_cache = self.scheduler.prefix_cache = engine_prefix_cache(config, self.cache, self.speculator)
+        if self.speculator is not None:  # explicit or cached SPS table, else the fallback
+            self.speculator.sps_table = sps_profiler.initial_sps_table(config, self.model, self.speculator)
+            if config.profile_on_start:  # cached SPS profile, else profile now (paper §3.2.2)
+                round_fn = sps_profiler.make_round_fn(self.model, self.speculator, self.cache)
+                sps_profiler.ensure_profiled(config, self.model, self.speculator, round_fn)
+        # Speculate or decode plainly, per step, by measured speed (runtime/speculation/gate.py).
+        self.gate = SpecGate() if (self.speculator is not None and config.spec_gate) else None
+        self.forward_steps = 0
+        self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
+        self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
+        self.spec_steps = 0  # decode rounds that drafted (speculator present)
+        self.gated_steps = 0  # decode rounds the gate ran as plain AR (no drafting); + spec_steps = decode_steps
+        self._by_id: dict[str, SequenceState] = {}
+
+    # -- requests -----------------------------------------------------------
+    def add_request(self, req: GenerationRequest) -> None:
+        """Queue a request; invalid ones fail immediately with a :class:`Failed` event."""
+        n = len(req.prompt_token_ids)
+        if n == 0 or n >= self.config.max_context:
+            self.emit(req.request_id, Failed(f"prompt has {n} tokens; need 1..{self.config.max_context - 1}", "invalid_prompt"))
+            return
+        lp = req.sampling.logprobs
+        if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
+            self.emit(req.request_id, Failed(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {lp}", "invalid_request"))
+            return
+        max_tokens = clamp_max_tokens(n, self.config.max_context, req.sampling.max_tokens)
+        now = time.monotonic()
+        seq = SequenceState(
+            request=req,
+            max_tokens=max_tokens,
+            generator=request_generator(req.sampling),
+            deadline=self.clock() + (req.timeout_s or self.config.request_timeout_s),
+            detok=Detokenizer(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_id, max_tokens),
+            token_ids=list(req.prompt_token_ids),
+            num_prompt=n,
+        )
+        seq.timings.queued = now
+        seq.timings.wall_queued = time.time()
+        self._by_id[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client went away): its slot and KV are freed now."""
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- the step -----------------------------------------------------------
+    def step(self) -> None:
+        """Run one engine step (one target forward). Failures fail only this step's requests."""
+        self._expire_timeouts()
+        plan = self.scheduler.schedule(decode_tokens_per_seq=self.lookahead)
+        if plan.empty():
+            return
+        try:
+            self._run(plan)
+        except Exception as exc:  # noqa: BLE001 — isolate the failure to this step's requests
+            log.exception("engine step failed")
+            for seq in plan.decode + [s for s, _ in plan.prefill]:
+                self._fail(seq, f"engine step failed: {type(exc).__name__}", "engine_error")
+
+    def _run(self, plan: StepPlan) -> None:
+        """Build ONE ragged forward: decode spans ``[anchor, x_1..x_ℓ]`` then prefill chunks."""
+        t0 = time.perf_counter()
+        spec = self.speculator
+        # Decided before drafting, from past steps only (lossless: runtime/speculation/gate.py).
+        speculate = spec is not None and bool(plan.decode) and (self.gate is None or self.gate.speculate(len(plan.decode)))
+        sampling = SamplingBatch.of(plan.decode)  # the decode rows' sampling tensors, once (draft + verify)
+        proposal = spec.propose(plan.decode, sampling) if speculate else None
+        ids: list[int] = []
+        spans: list[SeqSpan] = []
+        for i, seq in enumerate(plan.decode):
+            drafts = proposal.tokens[i] if proposal is not None else []
+            spans.append(SeqSpan(seq.slot, seq.num_cached, 1 + len(drafts)))
+            ids.append(seq.last_token)
+            ids.extend(drafts)
+        num_verify_rows = len(ids)
+        prefill_rows: list[int] = []  # last row of chunks that complete a prompt
+        prefill_done: list[SequenceState] = []
+        for seq, n in plan.prefill:
+            if seq.timings.started is None:
+                seq.timings.started = time.monotonic()
+                if spec is not None:
+                    spec.start_sequence(seq.slot, seq.num_cached)  # > 0: prefix-cache hit
+            spans.append(SeqSpan(seq.slot, seq.num_cached, n))
+            ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
+            if n == seq.prompt_remaining:
+                prefill_rows.append(len(ids) - 1)
+                prefill_done.append(seq)
+        rows = list(range(num_verify_rows)) + prefill_rows
+        taps = spec.tap_layers if spec is not None else ()
+        out = self.model.forward(
+            torch.tensor(ids), spans, self.cache, torch.tensor(rows, dtype=torch.long) if rows else None, taps
+        )
+        self.forward_steps += 1
+        for span, seq in zip(spans[len(plan.decode) :], [s for s, _ in plan.prefill]):
+            seq.num_cached = span.start + span.num_new
+        if spec is not None and plan.prefill:
+            spec.extend_context(
+                out.taps[num_verify_rows:] if out.taps is not None else None,
+                [s.slot for s, _ in plan.prefill],
+                [n for _, n in plan.prefill],
+            )
+        for seq in prefill_done:  # its prompt's blocks serve later requests (prefix cache)
+            self.scheduler.cache_prefix(seq)
+        if plan.decode:
+            self.decode_steps += 1
+            self.verify_tokens += num_verify_rows
+            if spec is not None:
+                if speculate:
+                    self.spec_steps += 1
+                else:
+                    self.gated_steps += 1
+            produced = self._verify(plan.decode, proposal, out, num_verify_rows, sampling)
+            if self.gate is not None and not plan.prefill:  # prefill chunks would blur the step's cost
+                self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
+        if prefill_done:
+            logits = out.logits[num_verify_rows:]
+            tokens = SamplingBatch.of(prefill_done).draw(logits).tolist()
+            lps = self._logprobs(logits, prefill_done, [[t] for t in tokens], [[i] for i in range(len(tokens))])
+            for seq, tok, lp in zip(prefill_done, tokens, lps):
+                seq.status = SeqStatus.DECODE
+                self._append_tokens(seq, [tok], logprobs=lp)
+
+    def _verify(self, seqs: list[SequenceState], proposal, out, num_rows: int, sampling: SamplingBatch) -> int:
+        """Accept/reject drafts (standard speculative sampling), commit caches, emit.
+
+        ``proposal`` ``None``: a plain decode round (no speculator, or the gate chose AR).
+        With a speculator, such a round still counts in each request's
+        :class:`~runtime.interface.SpecStats` as a round with 0 drafted / 0 verified /
+        1 emitted, so ``emitted`` stays every token after the first and τ the tokens per
+        target forward. Returns the tokens produced (before stop/EOS/max_tokens cuts)."""
+        if proposal is None:  # autoregressive: every request verifies just its anchor (ℓ = 0)
+            lengths, draft_probs = [0] * len(seqs), out.logits.new_zeros(0, out.logits.shape[-1])
+            draft_tokens = torch.zeros(0, dtype=torch.long)
+        else:
+            lengths, draft_probs = proposal.lengths, proposal.probs
+            draft_tokens = torch.tensor([t for ts in proposal.tokens for t in ts], dtype=torch.long)
+        res = spec_round(
+            out.logits[:num_rows], draft_probs, draft_tokens, lengths,
+            [s.num_cached for s in seqs], *sampling.tensors, sampling.generators,
+        )  # fmt: skip
+        for seq, keep in zip(seqs, res.keep_target):
+            self.cache.truncate(seq.slot, keep)
+            seq.num_cached = keep
+        if self.speculator is not None:
+            self.speculator.commit(seqs, out.taps[:num_rows] if out.taps is not None else None, res.commit_rows, res.commit_counts)
+        accepted = res.verify.accepted.tolist()
+        lps = self._logprobs(out.logits[:num_rows], seqs, res.tokens, res.token_rows)
+        for i, (seq, ell, acc, toks, lp) in enumerate(zip(seqs, lengths, accepted, res.tokens, lps)):
+            count = None
+            if self.speculator is not None:
+                def count(kept, seq=seq, drafted=proposal.drafted[i] if proposal is not None else 0, ell=ell, acc=acc):
+                    self._count_spec(seq, drafted, ell, min(acc, kept), kept, gated=proposal is None)
+            self._append_tokens(seq, toks, count, lp)
+        return sum(len(t) for t in res.tokens)
+
+    def _logprobs(
+        self, logits: torch.Tensor, seqs: list[SequenceState], tokens: list[list[int]], rows: list[list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """Target logprobs of ``tokens[i]`` (produced by ``logits[rows[i]]``) for the
+        sequences that asked; ``None`` for the others. One batched call, only their rows."""
+        want = [i for i, s in enumerate(seqs) if s.request.sampling.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        flat_rows = [r for i in want for r in rows[i]]
+        num_top = [seqs[i].request.sampling.logprobs for i in want for _ in rows[i]]
+        entries = token_logprobs(logits[flat_rows], [t for i in want for t in tokens[i]], num_top)
+        start = 0
+        for i in want:
+            n = len(rows[i])
+            out[i] = entries[start : start + n]
+            start += n
+        return out
+
+    def _count_spec(self, seq: SequenceState, drafted: int, verified: int, accepted: int, emitted: int,
+                    gated: bool = False) -> None:
+        """Per-request stats; tokens cut by stop/EOS/max_tokens are not counted.
+        ``gated``: a plain decode round chosen by the speculation gate (still a round)."""
+        st = seq.spec
+        st.rounds += 1
+        st.gated_rounds += gated
+        st.drafted += drafted
+        st.verified += verified
+        st.accepted += accepted
+        st.emitted += emitted
+        if len(st.accepted_per_position) < self.speculator.gamma:
+            st.accepted_per_position.extend([0] * (self.speculator.gamma - len(st.accepted_per_position)))
+        for j in range(accepted):
+            st.accepted_per_position[j] += 1
+
+    # -- postprocess --------------------------------------------------------
+    def _append_tokens(
+        self, seq: SequenceState, new_tokens: list[int], on_kept=None, logprobs: list[TokenLogprob] | None = None
+    ) -> int:
+        """Feed accepted tokens through stop/EOS/max_tokens checks; emit; return #kept.
+
+        ``on_kept(kept)`` runs before anything is emitted, so per-request stats it
+        updates are complete in the :class:`Finished` event of a request ending here.
+        ``logprobs`` (aligned with ``new_tokens``) are cut to the kept tokens too.
+        """
+        res = seq.detok.append(new_tokens)
+        kept = res.num_tokens_kept
+        if on_kept is not None:
+            on_kept(kept)
+        if kept:
+            now = time.monotonic()
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            seq.timings.last_token = now
+            seq.num_completion += kept
+            seq.token_ids.extend(res.token_ids_kept)
+        if res.text or kept:
+            lp = logprobs[:kept] if logprobs is not None else None
+            self.emit(seq.request_id, TextDelta(res.text, kept, list(res.token_ids_kept), lp))
+        if res.finish_reason is not None:
+            self._finish(seq, res.finish_reason)
+        return kept
+
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if reason is not FinishReason.ABORT:
+            tail = seq.detok.finish(reason).text
+            if tail:
+                self.emit(seq.request_id, TextDelta(tail, 0, []))
+        self._release(seq)
+        seq.timings.finished = time.monotonic()
+        spec = seq.spec if self.config.spec_method != "none" else None
+        self.emit(seq.request_id, Finished(reason, seq.num_prompt, seq.num_completion, seq.timings, spec,
+                                           seq.num_prompt_cached))
+
+    def _fail(self, seq: SequenceState, message: str, code: str) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        self._release(seq)
+        seq.timings.finished = time.monotonic()
+        self.emit(seq.request_id, Failed(message, code, seq.num_prompt, seq.num_completion, seq.timings))
+
+    def _release(self, seq: SequenceState) -> None:
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+
+    def _expire_timeouts(self) -> None:
+        now = self.clock()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if now > seq.deadline:
+                self._fail(seq, "request timed out", "timeout")

@@ -1,0 +1,321 @@
+// CPU matmul over GGUF-quantised weights with the weights entering the arithmetic exactly.
+//
+//   y[M, N] = x[M, K] @ W[N, K]^T,  W from GGML blocks of 32 along K:
+//     Q4_1: w = d * q + m,  q in 0..15, d and m fp16 per block;
+//     Q8_0: w = d * q,      q in -128..127, d fp16 per block.
+//
+// Exactness: q is an integer, converted to bf16 without rounding (|q| <= 128); d and m are
+// fp16, converted to fp32 without rounding; per block
+//     sum_j w_j x_j = d * (sum_j q_j x_j) + m * (sum_j x_j)
+// is formed in fp32 (AVX512-BF16 dot products of bf16 pairs accumulate in fp32). Only the
+// activations are bf16 (the serving dtype).
+//
+// Layout ("tiles", built once at load time by runtime/kernels/cpu/gguf_cpu.py:repack, values
+// unchanged): 16 output rows x one 32-wide group form a tile of
+//   qs:  the 16 x 32 integers, ordered so that one 512-bit register holds, for a pair of
+//        consecutive k, the 16 rows' two values side by side (what VDPBF16PS pairs up):
+//        Q4_1 as 8 chunks of 32 bytes whose low nibbles are k-pair 2c and high nibbles
+//        k-pair 2c+1 (256 bytes); Q8_0 as 16 chunks of 32 int8 (512 bytes);
+//   d:   16 fp16 (32 bytes);  m (Q4_1 only): 16 fp16 (32 bytes).
+// Tiles are stored [N/16][K/32] so a thread streams its rows' weights sequentially; the
+// bytes per weight equal the GGUF's (20 per 32 for Q4_1, 34 per 32 for Q8_0).
+//
+// The weights are read once per call whatever M is: each tile is unpacked in registers and
+// used for up to 8 rows of x at a time (a tile's bytes stay in L1 for the next 8 rows), so a
+// few-token forward (batch decode, speculative verification) costs about one token's memory
+// traffic. Lanes are output rows, so no horizontal sums. Parallel over chunks of tiles
+// (work_pool.h).
+//
+// Built on first use by runtime/kernels/cpu/gguf_cpu.py (torch.utils.cpp_extension); called only
+// on CPUs that list avx512_bf16. Registered as torch.ops.sparkgate.gguf_linear.
+#include "gguf_cpu.h"
+#include "work_pool.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;           // k per group (GGML block)
+constexpr int64_t TN = 16;           // output rows per tile (zmm lanes)
+constexpr int64_t QTYPE_Q4_1 = 3;    // GGML type ids (ggml.h)
+constexpr int64_t QTYPE_Q8_0 = 8;
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 16
+#endif
+
+int64_t& amx_min_rows() {  // 0: AMX off (default until Python enables it on an AMX CPU)
+  static int64_t rows = 0;
+  return rows;
+}
+
+constexpr int64_t tile_bytes(int64_t qtype) { return qtype == QTYPE_Q4_1 ? 256 + 32 + 32 : 512 + 32; }
+
+// bf16 bit patterns of 0..15, twice (VPERMW indexes 32 words with 5 bits).
+inline __m512i nibble_lut() {
+  alignas(64) uint16_t lut[32];
+  for (int i = 0; i < 32; ++i) {
+    float f = static_cast<float>(i & 15);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    lut[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(lut);
+}
+
+inline __m512i bcast_pair(const uint16_t* x) {  // x[0], x[1] (bf16) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 dp(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+}
+
+// 32 int8 -> 32 bf16 integers (exact).
+inline __m512i q8_to_bf16(const uint8_t* p) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 <- lo, 16-31 <- hi
+}
+
+// R rows of x (row stride K) against tiles [t0, t1); y row stride N. Each row keeps
+// 2 * C partial sums per group (k-pair chains of VDPBF16PS, whose latency would otherwise
+// bound a one-row pass): C = 2 for one row, 1 when the rows already give enough chains.
+template <int64_t QTYPE, int R>
+void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  constexpr int C = R == 1 ? 2 : 1;
+  const int64_t G = K / QK;
+  const int64_t tb = tile_bytes(QTYPE);
+  const __m512i lut = nibble_lut();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * G * tb;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, tile += tb) {
+      for (int64_t off = 0; off < tb; off += 64)  // the whole tile PREFETCH_TILES ahead
+        _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
+      __m512 p[R][2 * C];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 2 * C; ++j) p[r][j] = _mm512_setzero_ps();
+      const uint16_t* xg = x + g * QK;
+      if (QTYPE == QTYPE_Q4_1) {
+        for (int c = 0; c < 8; ++c) {  // k = 4c .. 4c+3 of this group
+          const int j = 2 * (c % C);
+          __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
+          __m512i wa = _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut);   // k-pair 2c
+          __m512i wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);     // k-pair 2c+1
+          for (int r = 0; r < R; ++r) {
+            p[r][j] = dp(p[r][j], wa, bcast_pair(xg + r * K + 4 * c));
+            p[r][j + 1] = dp(p[r][j + 1], wb, bcast_pair(xg + r * K + 4 * c + 2));
+          }
+        }
+      } else {
+        for (int c = 0; c < 16; c += 2) {  // k-pairs c, c+1
+          const int j = 2 * ((c / 2) % C);
+          __m512i wa = q8_to_bf16(tile + 32 * c);
+          __m512i wb = q8_to_bf16(tile + 32 * (c + 1));
+          for (int r = 0; r < R; ++r) {
+            p[r][j] = dp(p[r][j], wa, bcast_pair(xg + r * K + 2 * c));
+            p[r][j + 1] = dp(p[r][j + 1], wb, bcast_pair(xg + r * K + 2 * c + 2));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
+      for (int r = 0; r < R; ++r) {
+        __m512 s = _mm512_add_ps(p[r][0], p[r][1]);
+        if (C == 2) s = _mm512_add_ps(s, _mm512_add_ps(p[r][2 % (2 * C)], p[r][3 % (2 * C)]));
+        acc[r] = _mm512_fmadd_ps(s, d, acc[r]);
+      }
+      if (QTYPE == QTYPE_Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    }
+  }
+}
+
+// ---- AMX path for many rows ------------------------------------------------------------
+// Above a few rows the VDPBF16PS path pays one instruction per row per 32 weights. With AMX
+// one TDPBF16PS multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k):
+// the tile's k-pair registers are exactly the B operand's VNNI rows. Per group the 16x16
+// fp32 product is stored and scaled by d (and Q4_1's m * sum x) into the accumulators,
+// which keeps the weights exact as above.
+
+struct TileConfig {  // the LDTILECFG memory layout (palette 1)
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+template <int64_t QTYPE>
+void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                     int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t G = K / QK;
+  const int64_t tb = tile_bytes(QTYPE);
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(M);  // C: M x 16 fp32, A: M x 32 bf16
+  cfg.rows[2] = 16;                                      // B: 16 k-pairs x 32 bf16
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t bbuf[16 * 32];
+  alignas(64) float cbuf[16 * 16];
+  const __m512i lut = nibble_lut();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 acc[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * G * tb;
+    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, tile += tb) {
+      for (int64_t off = 0; off < tb; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
+      if (QTYPE == QTYPE_Q4_1) {
+        for (int c = 0; c < 8; ++c) {
+          __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
+          _mm512_store_si512(bbuf + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
+          _mm512_store_si512(bbuf + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+        }
+      } else {
+        for (int c = 0; c < 16; ++c) _mm512_store_si512(bbuf + 32 * c, q8_to_bf16(tile + 32 * c));
+      }
+      _tile_zero(0);
+      _tile_loadd(1, x + g * QK, K * 2);
+      _tile_loadd(2, bbuf, 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_stored(0, cbuf, 64);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
+      if (QTYPE == QTYPE_Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+        for (int64_t r = 0; r < M; ++r)
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]));
+      } else {
+        for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    }
+  }
+  _tile_release();
+}
+
+// All M rows against tiles [t0, t1), in row chunks of 8/4/2/1 per tile (its bytes stay in
+// L1 between chunks).
+template <int64_t QTYPE>
+void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                    int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, bool amx) {
+  const int64_t G = K / QK;
+  if (amx) {  // 16-row chunks through the tile unit; the weights of [t0, t1) stay in L2 between chunks
+    for (int64_t i = 0; i < M; i += 16)
+      tile_kernel_amx<QTYPE>(x + i * K, xsum != nullptr ? xsum + i * G : nullptr, w, y_f32 != nullptr ? y_f32 + i * N : nullptr,
+                             y_bf16 != nullptr ? y_bf16 + i * N : nullptr, std::min<int64_t>(16, M - i), N, K, t0, t1);
+    return;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t i = 0; i < M;) {
+      const uint16_t* xi = x + i * K;
+      const float* xs = xsum != nullptr ? xsum + i * G : nullptr;
+      float* yf = y_f32 != nullptr ? y_f32 + i * N : nullptr;
+      at::BFloat16* yb = y_bf16 != nullptr ? y_bf16 + i * N : nullptr;
+      const int64_t left = M - i;
+      if (left >= 8) { tile_kernel<QTYPE, 8>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 8; }
+      else if (left >= 4) { tile_kernel<QTYPE, 4>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 4; }
+      else if (left >= 2) { tile_kernel<QTYPE, 2>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 2; }
+      else { tile_kernel<QTYPE, 1>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 1; }
+    }
+  }
+}
+
+}  // namespace
+
+// x: bf16 [M, K]; tiles: uint8 [N/16, K/32, tile bytes] (repacked GGML blocks); returns
+// [M, N] in out_dtype (float32 or bfloat16).
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qtype, int64_t N, int64_t K,
+                       at::ScalarType out_dtype) {
+  TORCH_CHECK(qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0, "gguf_linear: qtype must be Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "gguf_linear: x must be [M, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gguf_linear: x must be bfloat16");
+  TORCH_CHECK(K % QK == 0 && N % TN == 0, "gguf_linear: K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.numel() == (N / TN) * (K / QK) * tile_bytes(qtype),
+              "gguf_linear: tiles must be contiguous uint8 of N/16 * K/32 * ", tile_bytes(qtype), " bytes");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "gguf_linear: out dtype float32 or bfloat16");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  const int64_t G = K / QK;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  // Per-group sums of the bf16 activations (fp32), for Q4_1's offset term m * sum_j x_j.
+  std::vector<float> xsum;
+  if (qtype == QTYPE_Q4_1) {
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) {
+      const __m512i v = _mm512_loadu_si512(xp + i * QK);  // 32 bf16 -> two fp32 halves
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+  const float* xs = qtype == QTYPE_Q4_1 ? xsum.data() : nullptr;
+  const uint8_t* wp = tiles.data_ptr<uint8_t>();
+  float* yf = out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* yb = out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t T = N / TN;
+  auto& pool = sparkgate::WorkPool::instance();
+  const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
+  const bool amx = M >= amx_min_rows() && amx_usable();
+  pool.run((T + per - 1) / per, [&](int64_t c) {
+    const int64_t t0 = c * per, t1 = std::min(T, t0 + per);
+    if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);
+    else tiles_all_rows<QTYPE_Q8_0>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);
+  });
+  return y;
+}
+
+void set_kernel_threads(int64_t n) { sparkgate::WorkPool::instance().set_threads(static_cast<int>(n)); }
+
+// Rows from which gguf_linear uses AMX (0: never). Set from Python where the CPU has it.
+void set_amx_min_rows(int64_t rows) { amx_min_rows() = rows; }
+
+bool gguf_amx_enabled() { return amx_min_rows() > 0; }
+
+int64_t kernel_threads() { return sparkgate::WorkPool::instance().threads(); }
+
+TORCH_LIBRARY(sparkgate, m) {
+  m.def("gguf_linear(Tensor x, Tensor tiles, int qtype, int N, int K, ScalarType out_dtype) -> Tensor");
+  m.def("set_kernel_threads(int n) -> ()", &set_kernel_threads);
+  m.def("set_amx_min_rows(int rows) -> ()", &set_amx_min_rows);
+  m.def("kernel_threads() -> int", &kernel_threads);
+}
+
+TORCH_LIBRARY_IMPL(sparkgate, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+}

@@ -1,0 +1,388 @@
+"""The SPS table's profiler: time full speculative rounds, key and cache the result on disk.
+
+Paper §3.2.2: the hardware-aware scheduler (:mod:`runtime.speculation.budget`) needs
+SPS(B) — full engine rounds per second when the target verifies B tokens in one
+forward — and DSpark profiles it once at start-up. This module supplies
+
+* :class:`EngineRoundFn` — ``round_fn(B, ctx_len) -> seconds``: one full round of
+  THIS engine (its model, dtype, device, thread count, drafter and KV caches):
+  drafter ``propose`` + ``sample_block`` (γ slots per request; the n-gram lookup
+  for ``prompt_lookup``), the target's ragged verification forward over B tokens
+  (with the drafter's tap layers), :func:`runtime.speculation.verifier.spec_round`
+  (warp + accept/resample, T = 1) and the drafter-context commit of the anchor +
+  accepted rows. Not included: detokenisation / stop checks and the scheduler call
+  itself (≈0.04 ms at batch 16) — per-token CPU work that does not scale with B.
+  The B tokens are spread over the fewest requests that can hold them,
+  r = ⌈B / (1+γ)⌉, with ℓ_r as equal as possible (e.g. γ = 7: B = 1 → one request,
+  ℓ = 0; B = 8 → one request, ℓ = 7; B = 128 → 16 requests, ℓ = 7 each);
+  every request's context is ``ctx_len`` tokens (zero-filled K/V: attention costs
+  the same whatever the values).
+* :func:`sps_cache_key` — everything that changes the timings: model, dtype,
+  device (+ CPU model), torch threads, torch version, γ, drafter id (the drafter's
+  architecture: layers, Markov rank/variant, block size, taps — timings do not
+  depend on the weights), the largest B profiled, and an engine version (a hash of
+  the hot-path sources, so editing the engine invalidates old profiles).
+* :func:`initial_sps_table` — what :class:`runtime.speculation.speculator.Speculator` starts
+  with: ``EngineConfig.sps_table_path`` if set, else a cached profile matching the
+  key, else :func:`runtime.speculation.sps.fallback_table` (never profiles).
+* :func:`ensure_profiled` — called by :class:`runtime.engine.llm_engine.LLMEngine` at start-up
+  when ``EngineConfig.profile_on_start`` is true: keep a loaded profile, else
+  profile now (≈ buckets × contexts × (warm-up + repeats) rounds; on the 2-core CPU
+  with the defaults 8 × 2 × (1 + 3) = 64 rounds, about 10–20 s in bf16) and cache it.
+The profiler takes a round function; it never imports the engine loop.
+:mod:`runtime.engine.profile` builds the engine's round function, profiles an idle
+engine at start-up (``ensure_profiled``) and is the ``sparkgate profile`` command.
+
+Smoothing / monotonisation is :class:`runtime.speculation.sps.SpsTable`'s: median of the
+repeats per cell, running minimum of SPS along B, B·SPS(B) made non-decreasing,
+running minimum along context length; lookups interpolate the round time linearly.
+
+Cache location: ``runtime.config.cache_dir() / "sps"`` (i.e.
+``$SPARKGATE_CACHE_DIR/sps``), one ``sps-<hash(key)>.json`` per key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from runtime.config import cache_dir
+from runtime.engine.sampler import SamplingBatch
+from runtime.models.llama import SeqSpan
+from runtime.models.loader import MODEL_NAME
+from runtime.speculation import sps as sps_mod
+from runtime.speculation.prompt_lookup import propose_ngram
+from runtime.speculation.sps import SpsTable
+from runtime.speculation.verifier import spec_round
+
+if TYPE_CHECKING:  # pragma: no cover
+    from runtime.config import EngineConfig
+    from runtime.engine.kv_cache import KVCache
+    from runtime.models.llama import LlamaModel
+    from runtime.speculation.speculator import Speculator
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PROFILE_VERSION",
+    "DEFAULT_CONTEXT_LENS",
+    "EngineRoundFn",
+    "split_budget",
+    "profile_buckets",
+    "profile_context_lens",
+    "engine_version",
+    "drafter_id",
+    "sps_cache_dir",
+    "sps_cache_key",
+    "make_round_fn",
+    "ensure_profiled",
+    "initial_sps_table",
+    "profile_table",
+]
+
+#: Bump when the meaning of a profiled round changes (what round_fn times).
+PROFILE_VERSION = 1
+#: Context lengths (tokens) profiled by default (clipped to the engine's max context).
+DEFAULT_CONTEXT_LENS: tuple[int, ...] = (256, 1024)
+DEFAULT_REPEATS = 3
+DEFAULT_WARMUP = 1
+
+_ROOT = Path(__file__).resolve().parents[2]  # the repository
+#: Sources whose code runs inside a profiled round; their hash is the engine version.
+_HOT_PATH = (
+    "runtime/engine/llm_engine.py",
+    "runtime/speculation/speculator.py",
+    "runtime/engine/sampler.py",
+    "runtime/engine/kv_cache.py",
+    "runtime/models/llama.py",
+    "runtime/speculation/drafter.py",
+    "runtime/speculation/fast_drafter.py",
+    "runtime/kernels/cpu/fused_layer.cpp",
+    "runtime/speculation/markov_head.py",
+    "runtime/speculation/confidence_head.py",
+    "runtime/speculation/verifier.py",
+    "runtime/speculation/prompt_lookup.py",
+    "runtime/speculation/sps_profiler.py",
+)
+
+
+# ------------------------------------------------------------------ geometry
+def split_budget(B: int, gamma: int) -> list[int]:
+    """ℓ_r per request for B verification tokens: r = ⌈B/(1+γ)⌉ requests, Σ(1+ℓ_r) = B.
+
+    Args:
+        B: verification tokens (≥ 1).
+        gamma: drafted block size γ (≥ 0).
+
+    Returns:
+        ℓ_r, each in ``[0, γ]``, as equal as possible (larger ones first).
+
+    Raises:
+        ValueError: ``B < 1`` or ``gamma < 0``.
+    """
+    if B < 1 or gamma < 0:
+        raise ValueError(f"need B >= 1 and gamma >= 0, got B={B}, gamma={gamma}")
+    r = -(-B // (1 + gamma))
+    q, rem = divmod(B, r)
+    return [q - 1 + (1 if i < rem else 0) for i in range(r)]
+
+
+def profile_buckets(max_requests: int, gamma: int) -> list[int]:
+    """Powers of two up to the largest possible B = max_requests·(1+γ) (that B appended
+    when it is not a power of two): e.g. 16 requests, γ = 7 → 1, 2, 4, …, 128."""
+    top = max(1, max_requests * (1 + gamma))
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b *= 2
+    out.append(top)
+    return out
+
+
+def profile_context_lens(max_context: int, gamma: int, wanted: Sequence[int] = DEFAULT_CONTEXT_LENS) -> list[int]:
+    """``wanted`` clipped to what fits a KV slot (``max_context − γ − 2``), deduplicated."""
+    cap = max(1, max_context - gamma - 2)
+    return sorted({min(int(c), cap) for c in wanted})
+
+
+# -------------------------------------------------------------- round timing
+class EngineRoundFn:
+    """``round_fn(B, ctx_len) -> seconds`` for :func:`runtime.speculation.sps.profile`.
+
+    Times one full round of the engine's own components (module docstring) in its
+    serving dtype, device and thread count. Uses free slots of the given target KV
+    cache and the speculator's draft context cache and returns them as found
+    (lengths reset, slots freed), so it can run inside a freshly built engine before
+    any request arrives.
+
+    Args:
+        model: the target model.
+        speculator: the engine's speculator (drafter + draft context cache, γ).
+        cache: the engine's target KV cache; needs ``⌈B_max/(1+γ)⌉`` free slots and
+            ``max_len ≥ ctx_len + γ + 1``.
+        temperature: sampling temperature of the timed rounds (1.0: the OpenAI default;
+            0 would time the cheaper greedy warp).
+        seed: seed of the random anchors/drafts (timings do not depend on values).
+    """
+
+    def __init__(
+        self, model: "LlamaModel", speculator: "Speculator", cache: "KVCache", *, temperature: float = 1.0, seed: int = 0
+    ) -> None:
+        self.model = model
+        self.spec = speculator
+        self.cache = cache
+        self.gamma = speculator.gamma
+        self.temperature = float(temperature)
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    def __call__(self, B: int, ctx_len: int) -> float:
+        lengths = split_budget(int(B), self.gamma)
+        r = len(lengths)
+        if self.cache.num_free < r:
+            raise ValueError(f"B={B} needs {r} free KV slots, {self.cache.num_free} free")
+        if ctx_len + self.gamma + 1 > self.cache.max_len:
+            raise ValueError(f"ctx_len {ctx_len} + γ + 1 exceeds the KV slot ({self.cache.max_len})")
+        V = self.model.cfg.vocab_size
+        slots = [self.cache.allocate() for _ in range(r)]
+        spec, drafter, dcache = self.spec, self.spec.drafter, self.spec.dcache
+        gens = [torch.Generator().manual_seed(self.rng.getrandbits(62)) for _ in range(r)]
+        sampling = SamplingBatch(torch.full((r,), self.temperature), torch.zeros(r, dtype=torch.long), torch.ones(r), gens)
+        anchors = torch.tensor([self.rng.randrange(V) for _ in range(r)], dtype=torch.long)
+        history = [self.rng.randrange(V) for _ in range(min(ctx_len, 256))]  # n-gram lookup input
+        try:
+            for s in slots:
+                self.cache.lengths[s] = ctx_len
+                if dcache is not None:
+                    dcache.lengths[s] = ctx_len
+            t0 = time.perf_counter()
+            # 1. draft
+            if drafter is not None:
+                ds = spec.draft(anchors, slots, sampling)
+                ds.confidence.tolist()  # the scheduler reads the confidences on the CPU
+                tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
+                probs = ds.dense_probs(lengths) if self.temperature > 0 else None  # as the engine
+            else:
+                for _ in range(r):
+                    propose_ngram(history, self.gamma)
+                tokens = [[self.rng.randrange(V) for _ in range(l)] for l in lengths]
+                flat = [t for ts in tokens for t in ts]
+                probs = torch.zeros(len(flat), V)
+                if flat:
+                    probs[torch.arange(len(flat)), torch.tensor(flat)] = 1.0
+            # 2. ONE ragged verification forward over B tokens
+            ids: list[int] = []
+            spans = []
+            for s, a, ts in zip(slots, anchors.tolist(), tokens):
+                spans.append(SeqSpan(s, ctx_len, 1 + len(ts)))
+                ids.append(a)
+                ids.extend(ts)
+            out = self.model.forward(
+                torch.tensor(ids), spans, self.cache, torch.arange(len(ids)), spec.tap_layers
+            )
+            # 3. verify (warp + accept/resample), 4. commit caches
+            res = spec_round(
+                out.logits, probs, torch.tensor([t for ts in tokens for t in ts], dtype=torch.long),
+                lengths, [ctx_len] * r, *sampling.tensors, gens,
+            )  # fmt: skip
+            for s, keep in zip(slots, res.keep_target):
+                self.cache.truncate(s, keep)
+            if drafter is not None and out.taps is not None:
+                spec.extend_context(out.taps[res.commit_rows], slots, res.commit_counts)
+            dt = time.perf_counter() - t0
+        finally:
+            for s in slots:
+                if dcache is not None:
+                    dcache.reset(s)
+                self.cache.free(s)
+        self.calls += 1
+        return dt
+
+
+# --------------------------------------------------------------------- keys
+def engine_version() -> str:
+    """``"<PROFILE_VERSION>+<sha256 of the hot-path sources>[:12]"``."""
+    h = hashlib.sha256()
+    for rel in _HOT_PATH:
+        p = _ROOT / rel
+        h.update(rel.encode())
+        h.update(p.read_bytes() if p.exists() else b"<missing>")
+    return f"{PROFILE_VERSION}+{h.hexdigest()[:12]}"
+
+
+def drafter_id(speculator: "Speculator") -> str:
+    """Architecture of the draft side (what its cost depends on), e.g.
+    ``"dspark:L2:r64:vanilla:bs7:taps2,8,14,20,26"`` or ``"prompt_lookup"``."""
+    d = speculator.drafter
+    if d is None:
+        return speculator.method
+    c = d.cfg
+    taps = ",".join(str(t) for t in c.target_layer_ids)
+    fast = speculator.fast
+    path = "" if fast is None else f":fused:N{fast.vocab.numel()}"  # the fused drafter costs less per round
+    return f"{speculator.method}:L{c.num_layers}:r{c.markov_rank}:{c.markov_variant}:bs{c.block_size}:taps{taps}{path}"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def sps_cache_dir() -> Path:
+    """``runtime.config.cache_dir() / "sps"`` (honours ``$SPARKGATE_CACHE_DIR``)."""
+    return cache_dir() / "sps"
+
+
+def sps_cache_key(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator") -> dict:
+    """Cache key of this engine's profile (see the module docstring)."""
+    device = model.embed_tokens.weight.device
+    return sps_mod.cache_key(
+        model=MODEL_NAME,
+        dtype=model.serving_dtype,
+        device=f"{device.type}:{_device_name(device)}",
+        num_threads=torch.get_num_threads(),
+        engine_version=engine_version(),
+        torch=torch.__version__,
+        gamma=int(speculator.gamma),
+        drafter=drafter_id(speculator),
+        max_verify_tokens=config.max_batch_size * (1 + int(speculator.gamma)),
+    )
+
+
+# ----------------------------------------------------------------- start-up
+def initial_sps_table(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator") -> SpsTable:
+    """The table a new :class:`~runtime.speculation.speculator.Speculator` uses; never profiles.
+
+    Order: ``config.sps_table_path`` (any table file, used as is; raises OSError /
+    ValueError if unreadable) → the cached profile for :func:`sps_cache_key` →
+    :func:`runtime.speculation.sps.fallback_table`.
+    """
+    if config.sps_table_path:
+        table = SpsTable.load(config.sps_table_path)
+        log.info("SPS table from %s", config.sps_table_path)
+        return table
+    key = sps_cache_key(config, model, speculator)
+    table = sps_mod.load_cached(key, sps_cache_dir())
+    if table is not None:
+        log.info("SPS table: cached profile %s", sps_mod.cache_path(key, sps_cache_dir()))
+        return table
+    if not config.profile_on_start:
+        log.warning("no SPS profile for this engine: using the illustrative fallback table (run `sparkgate profile`)")
+    return sps_mod.fallback_table()
+
+
+def profile_table(
+    round_fn: Callable[[int, int], float],
+    key: dict,
+    *,
+    max_requests: int,
+    max_context: int,
+    gamma: int,
+    context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    save: bool = True,
+) -> SpsTable:
+    """Profile an SPS table by timing ``round_fn(B, ctx_len) -> seconds``.
+
+    Buckets: :func:`profile_buckets` (powers of two up to ``max_requests·(1+γ)``);
+    contexts: :func:`profile_context_lens`. The table carries ``key`` (see
+    :func:`sps_cache_key`) and, if ``save``, is written to :func:`sps_cache_dir`.
+
+    Returns:
+        The monotonised :class:`SpsTable` (its ``note`` records the cost in seconds).
+    """
+    buckets = profile_buckets(max_requests, gamma)
+    ctxs = profile_context_lens(max_context, gamma, context_lens)
+    t0 = time.perf_counter()
+    table = sps_mod.profile(round_fn, buckets, ctxs, repeats, warmup=warmup, key=key, note="")
+    cost = time.perf_counter() - t0
+    table.note = (
+        f"profiled by runtime.speculation.sps_profiler in {cost:.1f} s: median of {repeats} timed rounds "
+        f"(+{warmup} warm-up) per cell; B tokens over ceil(B/(1+γ)) requests, T=1"
+    )
+    log.info("SPS profile took %.1f s (%d rounds)", cost, len(buckets) * len(ctxs) * (repeats + warmup))
+    if save:
+        path = sps_mod.save_cached(table, sps_cache_dir())
+        log.info("SPS profile cached at %s", path)
+    return table
+
+
+def make_round_fn(model: "LlamaModel", speculator: "Speculator", cache: "KVCache") -> Callable[[int, int], float]:
+    """The round function of an engine's parts: :class:`EngineRoundFn` (tests monkeypatch this factory)."""
+    return EngineRoundFn(model, speculator, cache)
+
+
+def ensure_profiled(
+    config: "EngineConfig", model: "LlamaModel", speculator: "Speculator", round_fn: Callable[[int, int], float]
+) -> SpsTable:
+    """Start-up hook (``EngineConfig.profile_on_start``): keep an explicit table or one whose
+    key matches, else load the cached profile, else profile now with ``round_fn`` (an idle
+    engine's round, see :func:`make_round_fn`) and cache it. Installs the table in
+    ``speculator`` and returns it."""
+    if config.sps_table_path:
+        return speculator.sps_table
+    key = sps_cache_key(config, model, speculator)
+    if speculator.sps_table.key == key:
+        return speculator.sps_table
+    table = sps_mod.load_cached(key, sps_cache_dir())
+    if table is None:
+        table = profile_table(
+            round_fn, key, max_requests=config.max_batch_size, max_context=config.max_context, gamma=speculator.gamma
+        )
+    speculator.sps_table = table
+    return table

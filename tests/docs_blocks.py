@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/*.md only: docs/history/ (dated logs, kept unchanged) and docs/reports/ (generated output)
+# hold no commands to run. Links are checked in DOCS, the reports and docs/history/README.md;
+# not in the logs, which keep the links of their time.
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+LINKED = [*DOCS, *sorted((ROOT / "docs" / "reports").glob("*.md")), ROOT / "docs" / "history" / "README.md"]
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*[—–:-]+\s*(?P<why>\S.*?)\s*-->")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<info>[^\s`]*)")
@@ -94,6 +99,20 @@ def stray_markers(path: Path) -> list[int]:
             nxt = next((k for k in range(n, len(lines)) if lines[k].strip()), None)
             if nxt is None or nxt + 1 not in marked:
                 out.append(n)
+    return out
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative Markdown link targets of ``path`` (outside fenced blocks and code spans) that
+    name no file or folder of the checkout; URLs and in-page anchors are not checked."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    fenced = {n for b in blocks(path) for n in range(b.line, b.line + b.text.count("\n") + 3)}
+    prose = "\n".join(re.sub(r"`[^`]*`", "", ln) for n, ln in enumerate(lines, 1) if n not in fenced)
+    out = []
+    for m in LINK.finditer(prose):
+        target = m["target"].split("#")[0]
+        if target and not re.match(r"[a-z][a-z0-9+.-]*:", target) and not (path.parent / target).exists():
+            out.append(m["target"])
     return out
 
 

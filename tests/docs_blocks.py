@@ -149,13 +149,13 @@ def commands(text: str) -> list[list[str]]:
 
 def own_cli(argv: list[str]) -> tuple[str, str, list[str]] | None:
     """``("module" | "script", target, args)`` when ``argv`` runs one of this project's
-    CLIs (``sparkgate …``, ``python -m runtime.…|gateway.…``, ``python bench/….py``); else None."""
+    CLIs (``sparkgate …``, ``python -m runtime.…|gateway.…|training.…``, ``python bench/….py``); else None."""
     prog = Path(argv[0]).name
     if prog == "sparkgate":
         return "module", "gateway.cli", argv[1:]
     if not re.fullmatch(r"python3?(\.\d+)?", prog) or len(argv) < 2:
         return None
-    if argv[1] == "-m" and len(argv) > 2 and argv[2].split(".")[0] in ("runtime", "gateway", "bench"):
+    if argv[1] == "-m" and len(argv) > 2 and argv[2].split(".")[0] in ("runtime", "gateway", "bench", "training"):
         return "module", argv[2], argv[3:]
     if argv[1].endswith(".py") and (ROOT / argv[1]).is_file():
         return "script", argv[1], argv[2:]

@@ -30,7 +30,7 @@ concurrency in the sweep (or ``--gold-target``).
 
 The SPS table is the engine's own profile (``profile_on_start``: cached, else profiled
 once at the first DSpark engine; its cost is reported). Prints one JSON document and
-writes a PNG (``--png``, default docs/scheduler_bench.png).
+writes a PNG (``--png``, default docs/reports/scheduler_bench.png).
 
 Usage:
     .venv/bin/python bench/scheduler_bench.py                  # full run (~10 min, 2 cores)
@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--gold-clients", type=int, default=4)
     ap.add_argument("--gold-factor", type=float, default=1.2)
     ap.add_argument("--gold-target", type=float, default=None, help="tok/s; overrides --gold-factor")
-    ap.add_argument("--png", default=str(ROOT / "docs" / "scheduler_bench.png"))
+    ap.add_argument("--png", default=str(ROOT / "docs" / "reports" / "scheduler_bench.png"))
     ap.add_argument("--quick", action="store_true", help="smoke run: c = 1 4, 8 tokens, 1 request/client")
     ap.add_argument("--replot", default=None, help="only redraw --png from a saved JSON report")
     args = ap.parse_args()

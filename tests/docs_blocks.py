@@ -23,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/*.md only: docs/history/ (dated logs, kept unchanged) and docs/reports/ (generated output)
+# hold no commands to run. Links are checked in DOCS, the reports and docs/history/README.md;
+# not in the logs, which keep the links of their time.
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+LINKED = [*DOCS, *sorted((ROOT / "docs" / "reports").glob("*.md")), ROOT / "docs" / "history" / "README.md"]
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*[—–:-]+\s*(?P<why>\S.*?)\s*-->")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<info>[^\s`]*)")
@@ -97,6 +102,20 @@ def stray_markers(path: Path) -> list[int]:
     return out
 
 
+def broken_links(path: Path) -> list[str]:
+    """Relative Markdown link targets of ``path`` (outside fenced blocks and code spans) that
+    name no file or folder of the checkout; URLs and in-page anchors are not checked."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    fenced = {n for b in blocks(path) for n in range(b.line, b.line + b.text.count("\n") + 3)}
+    prose = "\n".join(re.sub(r"`[^`]*`", "", ln) for n, ln in enumerate(lines, 1) if n not in fenced)
+    out = []
+    for m in LINK.finditer(prose):
+        target = m["target"].split("#")[0]
+        if target and not re.match(r"[a-z][a-z0-9+.-]*:", target) and not (path.parent / target).exists():
+            out.append(m["target"])
+    return out
+
+
 def commands(text: str) -> list[list[str]]:
     """The simple commands of a shell snippet as argv lists: comments, redirections,
     leading ``VAR=value`` assignments and ``nohup``/``nice -n N``/``time``/``env`` wrappers
@@ -136,7 +155,7 @@ def own_cli(argv: list[str]) -> tuple[str, str, list[str]] | None:
         return "module", "gateway.cli", argv[1:]
     if not re.fullmatch(r"python3?(\.\d+)?", prog) or len(argv) < 2:
         return None
-    if argv[1] == "-m" and len(argv) > 2 and argv[2].split(".")[0] in ("runtime", "gateway", "training", "bench"):
+    if argv[1] == "-m" and len(argv) > 2 and argv[2].split(".")[0] in ("runtime", "gateway", "bench", "training"):
         return "module", argv[2], argv[3:]
     if argv[1].endswith(".py") and (ROOT / argv[1]).is_file():
         return "script", argv[1], argv[2:]

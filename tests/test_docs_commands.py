@@ -33,7 +33,7 @@ import pytest
 
 from gateway.crud.keys import issue_key
 from gateway.db.migrate import upgrade
-from tests.docs_blocks import DOCS, ROOT, all_blocks, commands, dry_parse, own_cli, stray_markers
+from tests.docs_blocks import DOCS, LINKED, ROOT, all_blocks, broken_links, commands, dry_parse, own_cli, stray_markers
 
 BASE_URL = "http://127.0.0.1:8000"
 KEY_PLACEHOLDER = "sk-sg-..."
@@ -56,6 +56,15 @@ def test_docs_have_runnable_blocks_and_every_block_says_what_it_is():
     assert not bare, f"give these fenced blocks an info string (bash to run them, text otherwise): {bare}"
     stray = [f"{p.relative_to(ROOT)}:{n}" for p in DOCS for n in stray_markers(p)]
     assert not stray, f"docs-test markers not right before a shell or python block: {stray}"
+
+
+def test_relative_links_name_files_of_the_checkout():
+    """A moved doc, report or plot must not leave a dangling link (docs/history/'s logs are
+    exempt: they keep the links of their time)."""
+    assert not any(p.is_relative_to(ROOT / "docs" / "history") for p in DOCS)
+    assert not any(p.is_relative_to(ROOT / "docs" / "reports") for p in DOCS)
+    broken = {str(p.relative_to(ROOT)): bad for p in LINKED if (bad := broken_links(p))}
+    assert not broken, broken
 
 
 @pytest.mark.parametrize("block", [b for b in RUN if b.shell], ids=[b.where for b in RUN if b.shell])

@@ -232,7 +232,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--live-t1", type=int, default=0, metavar="N",
                    help="also measure τ by live T=1 speculative decoding on the first N prompts per task")
     p.add_argument("--dtype", default="auto", choices=TARGET_DTYPES, help="target dtype (auto: as served)")
-    p.add_argument("--report", default=str(REPO_ROOT / "docs" / "drafter-eval"), help="writes REPORT.md, REPORT-tau.png, "
+    p.add_argument("--report", default=str(REPO_ROOT / "docs" / "reports" / "drafter-eval"), help="writes REPORT.md, REPORT-tau.png, "
                    "REPORT-position.png, REPORT.json")
     p.add_argument("--title", default="Drafter τ (DeepSpec protocol)")
     p.add_argument("--threads", type=int, default=2)

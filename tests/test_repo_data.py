@@ -65,7 +65,7 @@ def test_no_tracked_file_names_a_development_machine_path():
 
 
 def test_tests_never_read_the_user_cache(isolated_cache_dir):
-    from runtime.engine.profile import sps_cache_dir
+    from runtime.speculation.sps_profiler import sps_cache_dir
     from runtime.config import cache_dir
 
     assert cache_dir() != isolated_cache_dir and not sps_cache_dir().resolve().is_relative_to(isolated_cache_dir)

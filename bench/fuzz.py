@@ -3,7 +3,7 @@ the probes) with schemathesis, from the app's own OpenAPI schema (``app.openapi(
 checkout; ``/openapi.json`` is not served).
 
     PYTHONPATH=. python bench/fuzz.py                        # own server (real model), long profile
-    PYTHONPATH=. python bench/fuzz.py --examples 8           # the CI size (tests/test_hardening_fuzz.py)
+    PYTHONPATH=. python bench/fuzz.py --examples 8           # the CI size (tests/gateway/hardening/test_fuzz.py)
     PYTHONPATH=. python bench/fuzz.py --url http://127.0.0.1:8000 --admin-token T
 
 Three phases, then one JSON object on stdout (exit status 1 when an invariant fails):

@@ -44,7 +44,7 @@ VARIANTS = {
 
 
 def eval_prompts(n: int) -> list[str]:
-    """First turns: the first ⌈n/3⌉ of mt-bench, gsm8k and humaneval (as tests/test_spec_engine.py)."""
+    """First turns: the first ⌈n/3⌉ of mt-bench, gsm8k and humaneval (as tests/runtime/speculation/test_spec_engine.py)."""
     out: list[str] = []
     for name in ("mt-bench", "gsm8k", "humaneval"):
         out += first_turns(name)[: (n + 2) // 3]  # the shipped data/eval

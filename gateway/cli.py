@@ -16,7 +16,7 @@
     sparkgate db downgrade REV              e.g. base
 
 A new tenant or tier NAME has 1–64 letters, digits, ``.``, ``_``, ``@`` or ``-`` and starts
-with a letter or digit (:func:`gateway.schemas.text.name_problem`, as the admin API); an
+with a letter or digit (:func:`gateway.core.text.name_problem`, as the admin API); an
 invalid name or user label is refused with exit code 2 before the database is touched.
 
 Configuration comes from ``SPARKGATE_*`` environment variables / ``.env``
@@ -39,7 +39,7 @@ from gateway.crud import tenants as crud_tenants
 from gateway.crud import tiers as crud_tiers
 from gateway.db import migrate
 from gateway.db.session import make_engine, make_sessionmaker
-from gateway.schemas.text import label_problem, name_problem
+from gateway.core.text import label_problem, name_problem
 
 
 def _note(msg: str) -> None:
@@ -48,7 +48,7 @@ def _note(msg: str) -> None:
 
 def _bad_argument(args: argparse.Namespace, names: tuple = (), refs: tuple = (), labels: tuple = ()) -> int | None:
     """2 (after saying why on stderr) when an argument is not a valid new tenant/tier name
-    (``names``), name of an existing one (``refs``; :func:`gateway.schemas.text.name_problem`,
+    (``names``), name of an existing one (``refs``; :func:`gateway.core.text.name_problem`,
     the check the admin API uses) or user label (``labels``); None when all are fine."""
     checks = ((names, name_problem), (refs, lambda v: name_problem(v, existing=True)), (labels, label_problem))
     for dests, problem_of in checks:

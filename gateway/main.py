@@ -19,16 +19,16 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from gateway.admin_ui import install as install_admin_ui
-from gateway.admission import AdmissionController
-from gateway.bodylimit import BodyLimitMiddleware
+from gateway.tenancy.admission import AdmissionController
+from gateway.api.bodylimit import BodyLimitMiddleware
 from gateway.api.routes import admin, chat, completions, engine, health, models, usage
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.api.error_handlers import install_error_handlers
-from gateway.records import RecordWriter
-from gateway.metrics import install as install_metrics
-from gateway.stats import RollingStats
+from gateway.observability.records import RecordWriter
+from gateway.observability.metrics import install as install_metrics
+from gateway.observability.stats import RollingStats
 from runtime.interface import Backend
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.stats = RollingStats()
     app.state.admission = AdmissionController.from_settings(backend, app.state.sessionmaker, settings)
     app.state.records = RecordWriter.from_settings(app.state.sessionmaker, settings)
-    # gateway.observe: every request's outcome, once
+    # gateway.observability.observe: every request's outcome, once
     app.state.observers = [app.state.stats, app.state.admission, app.state.records]
     app.state.started_at = int(time.time())
 

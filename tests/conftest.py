@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Fixture modules shared by many test files (registered once instead of imported per file).
-pytest_plugins = ["tests.gateway_fixtures", "tests.tenancy_fixtures", "tests.hygiene", "pytester"]
+pytest_plugins = ["tests.support.gateway_fixtures", "tests.support.tenancy_fixtures", "tests.support.hygiene", "pytester"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

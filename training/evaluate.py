@@ -21,7 +21,7 @@ be computed teacher-forced from ONE target forward over prompt + y
 (tested equal to the serving forward). The walk copies the engine's bookkeeping:
 ℓ = min(γ, max_tokens − emitted − 1) (``Speculator._room``), tokens after EOS or
 beyond max_tokens are not counted, τ = emitted / rounds (bonus included), pooled
-over all rounds of a task. ``tests/test_dspark_eval.py`` checks it equals the
+over all rounds of a task. ``tests/training/test_evaluate.py`` checks it equals the
 engine's live τ (spec_method dspark / prompt_lookup, fixed policy, T = 0).
 
 T = 1, expected. Along a T = 1 sample of the target (seeded), for EVERY anchor

@@ -9,7 +9,7 @@ tables) in one batched, differentiable pass: context K/V of all L positions of a
 sequence (``DraftLayer.context_kv`` at RoPE positions 0..L−1), the A blocks of the
 sequence as A·γ queries at positions p_a..p_a+γ−1, and a boolean mask that lets
 block a see context ``[0, p_a)`` and its own γ slots (bidirectional) — exactly the
-keys ``forward_block`` attends to. ``tests/test_dspark_train.py`` checks it equals
+keys ``forward_block`` attends to. ``tests/training/test_train.py`` checks it equals
 the serving forward.
 
 Loss (:func:`dspark_loss`, DeepSpec ``loss.py``; weights 0.1 / 0.9 / 1.0)::

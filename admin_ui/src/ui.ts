@@ -141,7 +141,7 @@ export function table(headers: string[], cls = ""): { el: HTMLTableElement; body
 }
 
 /** How a (tenant, user) pair is named everywhere (chart legends, tables). */
-/** The API's rule for a new tenant or tier name (gateway/schemas/text.py NAME_PATTERN): null when valid. */
+/** The API's rule for a new tenant or tier name (gateway/core/text.py NAME_PATTERN): null when valid. */
 const NAME_RE = /^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$/;
 export function nameError(n: string): string | null {
   if (!n) return "Required.";

@@ -17,9 +17,9 @@ from gateway.core.config import Settings
 from gateway.core.security import AuthCache, Principal, key_digest
 from gateway.crud import keys as crud_keys
 from gateway.db.models import utcnow
-from gateway.errors import (forbidden, from_validation_error, invalid_request, model_not_ready, overloaded,
+from gateway.core.errors import (forbidden, from_validation_error, invalid_request, model_not_ready, overloaded,
                             unauthorized)
-from gateway.schemas.openai import ChatCompletionRequest, CompletionRequest
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.interface import Backend
 
 M = TypeVar("M", bound=BaseModel)

@@ -1,5 +1,5 @@
 """The app's exception handlers: every error answered in the OpenAI shape
-(:mod:`gateway.errors`), 400 instead of FastAPI's 422, never a bare 500."""
+(:mod:`gateway.core.errors`), 400 instead of FastAPI's 422, never a bare 500."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.api.deps import require_admin, require_principal
-from gateway.errors import INVALID_REQUEST, SERVER_ERROR, APIError, from_validation_error, invalid_request, server_error
+from gateway.core.errors import INVALID_REQUEST, SERVER_ERROR, APIError, from_validation_error, invalid_request, server_error
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ List values accept JSON (``["a","b"]``) or a comma-separated string. Each field 
 :class:`runtime.config.EngineConfig` is the setting of the same name, each field of
 :class:`runtime.sglang.client.SGLangConfig` the setting ``sglang_<field>`` (except
 :data:`SHARED`). The table of every ``SPARKGATE_*`` variable, ``docs/configuration.md``, is
-generated from these classes' docstrings (``python -m tests.configuration_doc --write``).
+generated from these classes' docstrings (``python -m tests.support.configuration_doc --write``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Settings(_Derived):
         admission_step_s: prior per-token decode step time (seconds) of the SLA speed model
             before the engine has been measured.
         max_body_bytes: largest accepted request body (bytes); larger → 413 before it is
-            read (``gateway.bodylimit``). 0 disables the limit.
+            read (``gateway.api.bodylimit``). 0 disables the limit.
         shutdown_timeout_s: on SIGTERM, ``sparkgate serve`` stops accepting and lets
             in-flight requests finish for at most this long (uvicorn
             ``timeout_graceful_shutdown``), then flushes request records and exits.

@@ -2,10 +2,10 @@
 
 Rollups are recomputed from the records of each touched (minute, tenant), so they are
 idempotent (any replica may recompute a minute and gets the same rows). User tok/s is
-the one definition, :func:`gateway.stats.user_tokens_per_s` (median of per-request
+the one definition, :func:`gateway.observability.stats.user_tokens_per_s` (median of per-request
 decode tok/s), per minute in ``usage_rollups.decode_tps_median``.
 
-Billing has one definition too, :func:`gateway.observe.is_served`: ``api_keys.tokens_used``
+Billing has one definition too, :func:`gateway.observability.observe.is_served`: ``api_keys.tokens_used``
 and the rollups' ``prompt_tokens``/``completion_tokens`` count served requests only; refused
 ones appear only in the per-status request counts (``finished``/``failed``/``cancelled``/
 ``rejected``). A record keeps its request's prompt size either way.
@@ -24,8 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db.models import ApiKey, RequestRecord, UsageRollup
-from gateway.observe import STATUSES, is_served
-from gateway.stats import user_tokens_per_s
+from gateway.observability.observe import STATUSES, is_served
+from gateway.observability.stats import user_tokens_per_s
 
 MINUTE = timedelta(minutes=1)
 

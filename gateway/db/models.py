@@ -70,7 +70,7 @@ class SlaTier(Base):
 
     Attributes:
         min_tokens_per_s: decode speed promised to each user (tokens/s; the median of
-            the user's per-request decode tok/s, :func:`gateway.stats.user_tokens_per_s`).
+            the user's per-request decode tok/s, :func:`gateway.observability.stats.user_tokens_per_s`).
         max_concurrent: requests of one tenant in the engine at once.
         rpm, tpm: requests per minute and tokens per minute per tenant.
         priority: larger is more important (admission order, runtime scheduling).
@@ -124,7 +124,7 @@ class ApiKey(Base):
 class RequestRecord(Base):
     """One row per request the gateway accepted for generation or refused at admission
     (status ``finished``/``failed``/``cancelled``/``rejected``). Written in batches by
-    :class:`gateway.records.RecordWriter`; pruned after ``record_retention_days``.
+    :class:`gateway.observability.records.RecordWriter`; pruned after ``record_retention_days``.
 
     Times are UTC; durations in seconds; speeds in tokens/s (decode tok/s is
     :func:`runtime.interface.decode_tokens_per_s`). ``sla_met`` is None when the request
@@ -181,7 +181,7 @@ class UsageRollup(Base):
     decode tok/s); ``sla_*`` count requests with a target and a measured speed.
     ``requests`` and the per-status counts cover every record; ``prompt_tokens`` and
     ``completion_tokens`` are billed tokens, of served requests only
-    (:func:`gateway.observe.is_served`).
+    (:func:`gateway.observability.observe.is_served`).
     """
 
     __tablename__ = "usage_rollups"

@@ -2,7 +2,7 @@
 
 Up to ``0002`` the rollups' ``prompt_tokens``/``completion_tokens`` summed every record,
 refused requests included. From now on they sum served requests only
-(:func:`gateway.observe.is_served`; the rule is frozen here as this revision knows it:
+(:func:`gateway.observability.observe.is_served`; the rule is frozen here as this revision knows it:
 ``finished``, or ``failed``/``cancelled`` after at least one completion token). No schema
 change. Upgrade recomputes, from the records still kept, the rollup rows of every
 (minute, tenant) that holds a record that was not served; rollups of minutes whose

@@ -26,7 +26,7 @@ request owns a ``torch.Generator`` (:func:`request_generator`); a row's result
 depends only on its own logits, parameters and generator, never on the rest of
 the batch.
 
-Performance (2-core CPU, V = 49152, fp32; see ``tests/test_sampler.py``
+Performance (2-core CPU, V = 49152, fp32; see ``tests/runtime/engine/test_sampler.py``
 ``test_warp_timing`` / the report): rows without top-k/top-p never sort
 (one softmax); top-p rows find the nucleus among the 256 most likely tokens
 with ``topk``, then among 4096, and fully sort only rows whose nucleus is larger.

@@ -18,7 +18,7 @@ model's.
 Row order: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
 RoPE layout; :func:`unpermute_rows` undoes it exactly as transformers' GGUF loader does,
 so ``dequantize(blocks)`` equals the cached fp32 safetensors copy bit for bit
-(``tests/test_gguf_kernel.py``).
+(``tests/runtime/kernels/test_gguf_kernel.py``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     A batch-1 decode step is 121 matrix-vector products. On the CPU, ``F.linear`` with a
     single row takes a slower route to the same GEMV than ``torch.mv`` does (measured
     2–4× per matrix in bf16 on an AMX Xeon, bench/forward_profile.py); the results are
-    bitwise identical there (tests/test_llama.py), so this only removes time. (On CPUs
+    bitwise identical there (tests/runtime/models/test_llama.py), so this only removes time. (On CPUs
     without AMX, e.g. an AMD EPYC with AVX512-BF16, a rare bf16 output differs in its
     last bits: the two kernels sum in different orders.)
     """

@@ -18,13 +18,13 @@ from gateway.crud import records as crud_records
 from gateway.crud import tenants as crud_tenants
 from gateway.crud import tiers as crud_tiers
 from gateway.db.models import ApiKey, Tenant
-from gateway.errors import APIError, invalid_request
-from gateway.schemas.tenancy import (
+from gateway.core.errors import APIError, invalid_request
+from gateway.tenancy.schemas import (
     KeyCreate, KeyCreated, KeyOut, KeyPatch, RecordOut, RecordPage, TenantCreate, TenantOut, TenantPatch,
     TierCreate, TierLimits, TierOut,
 )
-from gateway.schemas.text import Label, NameRef
-from gateway.stats import user_tokens_per_s
+from gateway.core.text import Label, NameRef
+from gateway.observability.stats import user_tokens_per_s
 
 # bodies are JSON whatever their Content-Type, as on /v1/chat/completions (docs/tenancy.md)
 router = APIRouter(prefix="/admin/v1", dependencies=[Depends(require_admin)], route_class=JSONBodyRoute)
@@ -267,7 +267,7 @@ async def users_summary(
     """Per (tenant, user) totals over the window (default: the last hour) from the
     rollups: requests, ``requests_by_status`` (also flat: ``finished``, ``failed``,
     ``cancelled``, ``rejected``), billed tokens (served requests only,
-    :func:`gateway.observe.is_served`), ``tokens_per_s_p50`` (median of the per-minute
+    :func:`gateway.observability.observe.is_served`), ``tokens_per_s_p50`` (median of the per-minute
     medians, each weighted by its measured requests), SLA requests met, latest tier."""
     since, until = window(since, until)
     rows = await crud_records.rollups(session, since=since, until=until, tenant=tenant, tier=tier)

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway.api.deps import CurrentPrincipal, chat_body, get_ready_backend, openapi_body
-from gateway.api.respond import respond
-from gateway.errors import invalid_request
-from gateway.formatters import ChatFormatter
-from gateway.logprobs import LogprobsBuilder
-from gateway.schemas.openai import ChatCompletionRequest
-from gateway.translate import reject_unsupported_chat, requested_logprobs, resolve_model, template_messages
+from gateway.openai.respond import respond
+from gateway.core.errors import invalid_request
+from gateway.openai.formatters import ChatFormatter
+from gateway.openai.logprobs import LogprobsBuilder
+from gateway.openai.schemas import ChatCompletionRequest
+from gateway.openai.translate import reject_unsupported_chat, requested_logprobs, resolve_model, template_messages
 from runtime.interface import Backend
 
 router = APIRouter()

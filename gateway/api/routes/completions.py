@@ -8,11 +8,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway.api.deps import CurrentPrincipal, completion_body, get_ready_backend, openapi_body
-from gateway.api.respond import respond
-from gateway.formatters import CompletionFormatter
-from gateway.logprobs import LogprobsBuilder
-from gateway.schemas.openai import CompletionRequest
-from gateway.translate import completion_prompt, reject_unsupported_completion, requested_logprobs, resolve_model
+from gateway.openai.respond import respond
+from gateway.openai.formatters import CompletionFormatter
+from gateway.openai.logprobs import LogprobsBuilder
+from gateway.openai.schemas import CompletionRequest
+from gateway.openai.translate import completion_prompt, reject_unsupported_completion, requested_logprobs, resolve_model
 from runtime.interface import Backend
 
 router = APIRouter()

@@ -1,6 +1,6 @@
-"""``GET /metrics``: Prometheus exposition of :mod:`gateway.metrics` (admin token only).
+"""``GET /metrics``: Prometheus exposition of :mod:`gateway.observability.metrics` (admin token only).
 
-Mounted by :func:`gateway.metrics.install` unless ``SPARKGATE_METRICS_PORT`` moves the
+Mounted by :func:`gateway.observability.metrics.install` unless ``SPARKGATE_METRICS_PORT`` moves the
 endpoint to its own unauthenticated listener.
 """
 

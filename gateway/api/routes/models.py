@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from gateway.api.deps import CurrentPrincipal, get_backend
-from gateway.schemas.openai import ModelCard, ModelList
-from gateway.translate import resolve_model
+from gateway.openai.schemas import ModelCard, ModelList
+from gateway.openai.translate import resolve_model
 from runtime.interface import Backend
 
 router = APIRouter()

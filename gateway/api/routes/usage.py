@@ -14,8 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.api.deps import CurrentPrincipal, get_session
 from gateway.api.routes.admin import not_found, record_page, utc, window
 from gateway.crud import records as crud_records
-from gateway.schemas.tenancy import RecordOut, RecordPage
-from gateway.schemas.text import Label
+from gateway.tenancy.schemas import RecordOut, RecordPage
+from gateway.core.text import Label
 
 router = APIRouter(prefix="/v1")
 Session = Annotated[AsyncSession, Depends(get_session)]
@@ -46,7 +46,7 @@ async def own_usage(principal: CurrentPrincipal, session: Session, user: Label |
                     since: datetime | None = None, until: datetime | None = None) -> dict:
     """Per-user tok/s per minute and totals of the caller's tenant (default: last hour):
     ``requests``, ``requests_by_status`` and the billed tokens (served requests only,
-    :func:`gateway.observe.is_served`; refused requests are counted, never billed)."""
+    :func:`gateway.observability.observe.is_served`; refused requests are counted, never billed)."""
     since, until = window(since, until)
     rows = await crud_records.rollups(session, since=since, until=until, tenant=principal.tenant, user=user)
     return {"object": "list", "tenant": principal.tenant, "since": since, "until": until, "bucket_s": 60,

@@ -22,7 +22,7 @@
 // use the dense bf16 weights (at::linear) instead of the tiles. Same math as
 // runtime/models/llama.py's eager layer; the roundings differ only where eager rounds an
 // intermediate to bf16 (projection outputs, RoPE) and this op keeps fp32
-// (tests/test_gguf_kernel.py compares both with an exact fp32 reference).
+// (tests/runtime/kernels/test_gguf_kernel.py compares both with an exact fp32 reference).
 #include "gguf_cpu.h"
 #include "work_pool.h"
 

@@ -36,7 +36,7 @@ as a prefix — the stopping-time argument of :mod:`runtime.speculation.budget` 
 Caveat: SGLang drops candidates with survival < ``survival_eps`` (1e-6); the test now
 sees w_r·a, so a candidate with a ∈ [1e-6/w_r, 1e-6) becomes eligible (immaterial).
 
-Patch points (checked against the 0.5.23 wheel by ``tests/test_sglang_plugin.py``):
+Patch points (checked against the 0.5.23 wheel by ``tests/runtime/sglang/test_plugin.py``):
 
 1. ``sglang.srt.speculative.dspark_components.dspark_worker_v2.DSparkWorkerV2.
    _forward_decode(self, batch, on_publish, grammar_barrier=None, coordination_plan=None)``:

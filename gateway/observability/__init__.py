@@ -1,0 +1,2 @@
+"""Observability: each request's outcome observed exactly once (``observe``), Prometheus
+metrics, per-user throughput stats and the persisted request records."""

@@ -1,0 +1,66 @@
+"""The part of ``/v1/chat/completions`` and ``/v1/completions`` after the prompt is
+tokenized: clamp ``max_tokens``, admit, submit, then stream (SSE) or answer JSON."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.core.security import Principal
+from gateway.core.errors import APIError
+from gateway.openai.formatters import Formatter
+from gateway.openai.generation import SSEResponse, collect, sse_events, start_generation
+from gateway.observability.observe import RequestContext
+from gateway.openai.schemas import BaseCompletionRequest
+from gateway.openai.translate import completion_budget, generation_request, requested_max_tokens
+from runtime.interface import Backend
+
+
+async def respond(
+    request: Request,
+    backend: Backend,
+    principal: Principal,
+    body: BaseCompletionRequest,
+    prompt_ids: list[int],
+    fmt: Formatter,
+    prompt_param: str,
+) -> Response:
+    """Run the request and build the HTTP response.
+
+    ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
+    context when absent), so an over-long request ends with ``finish_reason: "length"``.
+    Admission resolves the tier's SLA target into ``ctx``; the runtime request is built from it.
+    """
+    state = request.app.state
+    ctx = RequestContext(
+        request_id=fmt.id,
+        endpoint=prompt_param == "messages" and "chat" or "completions",
+        model=fmt.model,
+        stream=bool(body.stream),
+        prompt_tokens=len(prompt_ids),
+        max_tokens=completion_budget(len(prompt_ids), backend.info.max_context, requested_max_tokens(body), prompt_param),
+        tenant=principal.tenant,
+        user=body.user or principal.user_label,
+        key_id=principal.key_id,
+    )
+    admission = getattr(state, "admission", None)  # gateway.tenancy.admission: limits, queue, SLA (429s)
+    ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
+    headers = ticket.headers if ticket is not None else {}  # x-ratelimit-*, also before the first SSE byte
+    try:
+        gen_request = generation_request(ctx, prompt_ids, body, state.settings.request_timeout_s,
+                                         fmt.num_top_logprobs, state.settings.prefix_cache_scope)
+        stream = await start_generation(backend, gen_request, request, ctx, state.observers)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response: Response = SSEResponse(sse_events(stream, fmt, include_usage))
+        else:
+            text, finished, logprobs = await collect(stream, request)
+            response = JSONResponse(fmt.complete(text, finished, logprobs))
+    except BaseException as exc:
+        if ticket is not None:
+            admission.release(ticket.request_id)  # no-op when an observer already saw the outcome
+        if isinstance(exc, APIError) and headers:
+            exc.headers = {**headers, **(exc.headers or {})}
+        raise
+    response.headers.update(headers)
+    return response

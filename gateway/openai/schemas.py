@@ -1,0 +1,213 @@
+"""Pydantic models of the OpenAI chat-completions / completions wire format.
+
+Requests are validated strictly (no ``"1"`` → ``1`` coercion, no bools as ints)
+and unknown fields are ignored, because agent frameworks send extras. Parameters
+that OpenAI defines but this server does not implement are declared as loose
+``Any`` fields so :mod:`gateway.openai.translate` can reject them by name instead of
+ignoring them. Every string must be valid Unicode (:mod:`gateway.core.text`: a lone
+surrogate is a 400 naming the field); ``user`` is stored, so it also may not hold NUL.
+Source: OpenAI API reference, "Chat" and "Completions (legacy)".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from gateway.core.text import Label, Text
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Request):
+    """One element of a list-valued message ``content``; only ``type: "text"`` is supported."""
+
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Request):
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class BaseCompletionRequest(_Request):
+    """Fields shared by chat and legacy completions."""
+
+    model: Text
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[FiniteFloat, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[FiniteFloat, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM extension
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # a 64-bit generator seed
+    user: Label | None = None  # stored in request_records.user: no NUL, ≤ 256 characters
+    ignore_eos: bool | None = False  # extension (benchmarks)
+    return_spec_stats: bool | None = False  # Sparkgate extension
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
+    # Defined by OpenAI, not implemented: rejected by name in gateway.openai.translate.
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+
+class ChatCompletionRequest(BaseCompletionRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true
+
+
+class CompletionRequest(BaseCompletionRequest):
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's legacy default
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # top alternatives per token
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (not prefilled again)
+
+
+class Usage(BaseModel):
+    """``prompt_tokens_details`` is left out (not ``null``) when the backend does not
+    report cached tokens."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unknown_details(self, handler):  # no return annotation: the JSON schema stays the fields'
+        out = handler(self)
+        if out.get("prompt_tokens_details") is None:
+            out.pop("prompt_tokens_details", None)
+        return out
+
+
+class TopLogprob(BaseModel):
+    """One token of chat ``logprobs`` (see :mod:`gateway.openai.logprobs` for token/bytes)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat ``choices[i].logprobs``: one entry per completion token."""
+
+    content: list[TokenLogprobEntry] | None = None
+    refusal: list[TokenLogprobEntry] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy ``/v1/completions`` ``choices[i].logprobs``."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_stats: dict | None = None  # only serialized when requested
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict  # {"role": "assistant", "content": ""} first, then {"content": "..."}, last {}
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    spec_stats: dict | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(BaseModel):
+    """Non-streamed result and streamed chunk of ``/v1/completions`` (same object name)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    spec_stats: dict | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sparkgate"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

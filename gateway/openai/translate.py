@@ -1,0 +1,220 @@
+"""Translate a validated OpenAI request into a runtime :class:`GenerationRequest`.
+
+Everything here is pure (no I/O) and raises :class:`gateway.core.errors.APIError`
+(400/404) for requests the gateway must refuse before touching the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from gateway.core.errors import invalid_request, model_not_found, unsupported
+from gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, BaseCompletionRequest
+from gateway.observability.observe import RequestContext
+from runtime.interface import BackendInfo, GenerationRequest, SamplingParams, clamp_max_tokens
+
+# OpenAI role → role given to the chat template. "developer" is OpenAI's newer name for "system".
+TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+UNSUPPORTED_ROLES = {"tool", "function"}
+
+
+def _short_name(name: str) -> str:
+    return name.rsplit("/", 1)[-1].lower()
+
+
+def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()) -> str:
+    """Return the served model name (``info.model_name``) if ``requested`` names it.
+
+    Accepted: the exact name, any alias, and any of these without or with a
+    different ``org/`` prefix (case-insensitive), e.g. ``SmolLM2-135M-Instruct`` for
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``. Raises 404 ``model_not_found`` otherwise.
+    """
+    names = {_short_name(info.model_name), *(_short_name(a) for a in aliases)}
+    if requested == info.model_name or _short_name(requested) in names:
+        return info.model_name
+    raise model_not_found(requested)
+
+
+def _reject_common(body: BaseCompletionRequest) -> None:
+    if body.n is not None and body.n != 1:
+        raise unsupported("n", "Only n=1 is supported.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None and value != 0:
+            raise unsupported(name, "Only 0 is supported.")
+    if body.logit_bias not in (None, {}):
+        raise unsupported("logit_bias")
+
+
+def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
+    """400 naming the first OpenAI parameter we do not implement (never silently ignored).
+
+    Neutral values are accepted: ``tools: []``, ``tool_choice: "none"``,
+    ``response_format: {"type": "text"}``, ``n: 1``, zero penalties, empty ``logit_bias``.
+    ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers it).
+    """
+    if body.tools not in (None, []):
+        raise unsupported("tools", "Tool calling is not available yet.")
+    if body.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "Tool calling is not available yet.")
+    if body.functions not in (None, []):
+        raise unsupported("functions", "Function calling is not available yet.")
+    if body.function_call not in (None, "none"):
+        raise unsupported("function_call", "Function calling is not available yet.")
+    if body.response_format not in (None, {"type": "text"}):
+        raise unsupported("response_format", 'Only {"type": "text"} is supported.')
+    if body.top_logprobs is not None and body.logprobs is not True:
+        raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
+    _reject_common(body)
+
+
+def reject_unsupported_completion(body: CompletionRequest) -> None:
+    """Like :func:`reject_unsupported_chat` for ``/v1/completions`` (``echo``, ``suffix``
+    and ``best_of`` > 1 are refused)."""
+    if body.echo not in (None, False):
+        raise unsupported("echo")
+    if body.suffix not in (None, ""):
+        raise unsupported("suffix")
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "Only best_of=1 is supported.")
+    _reject_common(body)
+
+
+def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | None:
+    """Top alternatives per token the request asks for, ``None`` for no logprobs.
+
+    Chat: ``logprobs: true`` → ``top_logprobs`` (default 0); legacy completions: the
+    integer ``logprobs``. Ranges are checked by the schema (chat 0..20, legacy 0..5).
+    400 ``unsupported_parameter`` when the backend cannot return them.
+    """
+    if isinstance(body, ChatCompletionRequest):
+        n = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        n = getattr(body, "logprobs", None)
+    if n is not None and not info.supports_logprobs:
+        raise unsupported("logprobs", "This backend does not return logprobs.")
+    return n
+
+
+def _message_text(msg: ChatMessage, i: int) -> str:
+    if msg.content is None:
+        if msg.role == "assistant" and not msg.tool_calls and not msg.function_call:
+            return ""
+        raise invalid_request(f"messages[{i}].content is required for role '{msg.role}'.",
+                              f"messages[{i}].content")
+    if isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.type != "text" or part.text is None:
+            raise unsupported(f"messages[{i}].content[{j}]", f"Only text content parts are supported, got '{part.type}'.")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """``[{"role", "content": str}]`` for :meth:`Backend.apply_chat_template`.
+
+    Text parts are joined; ``developer`` → ``system``; ``tool``/``function`` roles and
+    assistant ``tool_calls`` → 400 unsupported; any other role → 400.
+    """
+    out = []
+    for i, msg in enumerate(messages):
+        param = f"messages[{i}].role"
+        if msg.role in UNSUPPORTED_ROLES:
+            raise unsupported(param, f"Messages with role '{msg.role}' are not supported yet.")
+        if msg.role not in TEMPLATE_ROLES:
+            raise invalid_request(
+                f"Invalid value for 'role': '{msg.role}'. Supported values are: 'system', 'developer', "
+                "'user' and 'assistant'.", param, "invalid_value")
+        if msg.tool_calls or msg.function_call:
+            raise unsupported(f"messages[{i}].tool_calls", "Tool calling is not available yet.")
+        out.append({"role": TEMPLATE_ROLES[msg.role], "content": _message_text(msg, i)})
+    return out
+
+
+def completion_prompt(body: CompletionRequest) -> str:
+    """The single prompt string of a legacy completion (string or list of one string)."""
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    if not prompt:
+        raise invalid_request("The prompt must not be empty.", "prompt", "invalid_value")
+    return prompt
+
+
+def completion_budget(prompt_len: int, max_context: int, requested: int | None, param: str) -> int:
+    """Completion tokens allowed: ``min(requested, max_context − prompt_len)``; all of the
+    remaining context when ``requested`` is None. 400 ``context_length_exceeded``
+    (``param`` = where the prompt came from) when the prompt leaves no room, 400
+    ``invalid_value`` when it has no token at all (e.g. ``"\x14"``, which the tokenizer drops)."""
+    if prompt_len == 0:
+        raise invalid_request(f"Your {param} resulted in 0 tokens; it needs at least one.", param, "invalid_value")
+    if prompt_len >= max_context:
+        raise invalid_request(
+            f"This model's maximum context length is {max_context} tokens. However, your {param} "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the {param}.",
+            param, "context_length_exceeded")
+    return clamp_max_tokens(prompt_len, max_context, requested)  # the engine's own clamp
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """OpenAI ``stop`` (string or ≤4 strings) → tuple, empty strings dropped."""
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    return tuple(s for s in items if s)
+
+
+def requested_max_tokens(body: BaseCompletionRequest) -> int | None:
+    """``max_completion_tokens`` (newer alias, wins) or ``max_tokens``."""
+    return getattr(body, "max_completion_tokens", None) or body.max_tokens
+
+
+def prefix_cache_salt(scope: str, tenant: str | None, request_salt: str | None) -> str | None:
+    """The runtime ``cache_salt`` (:func:`runtime.engine.prefix_cache.chain_root`).
+
+    ``scope="tenant"`` (the default, ``SPARKGATE_PREFIX_CACHE_SCOPE``): cached prompt KV is
+    shared only inside a tenant, so no tenant can tell from its time to first token what
+    another tenant sent; ``"global"``: shared by everyone. A request's own ``cache_salt``
+    (vLLM extension) narrows the namespace further inside that scope.
+    """
+    parts = []
+    if scope == "tenant" and tenant is not None:
+        parts.append(f"tenant:{tenant}")
+    if request_salt:
+        parts.append(f"request:{request_salt}")
+    return "\x1f".join(parts) or None
+
+
+def generation_request(
+    ctx: RequestContext,
+    prompt_token_ids: list[int],
+    body: BaseCompletionRequest,
+    timeout_s: float | None,
+    logprobs: int | None = None,
+    cache_scope: str = "tenant",
+) -> GenerationRequest:
+    """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
+    ``logprobs`` from :func:`requested_logprobs`; ``cache_salt`` from
+    :func:`prefix_cache_salt`; the rest from ``ctx``, once admission resolved its tier."""
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        max_tokens=ctx.max_tokens,
+        stop=stop_strings(body.stop),
+        seed=body.seed,
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+    )
+    return GenerationRequest(
+        request_id=ctx.request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling=sampling,
+        tenant=ctx.tenant,
+        user=ctx.user,
+        sla_target_tokens_per_s=ctx.sla_target_tokens_per_s,
+        priority=ctx.priority,
+        timeout_s=timeout_s,
+        return_spec_stats=bool(body.return_spec_stats),
+        cache_salt=prefix_cache_salt(cache_scope, ctx.tenant, body.cache_salt),
+    )

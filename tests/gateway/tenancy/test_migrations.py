@@ -1,0 +1,114 @@
+"""Migration 0002_tenancy on SQLite and a real Postgres: existing tenants and keys survive
+0001 → 0002 → 0001, the default tier is seeded, and base → head → base → head works."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from sqlalchemy import inspect, select, text
+
+from gateway.core.security import key_digest
+from gateway.crud import keys as crud_keys
+from gateway.crud import records as crud_records
+from gateway.crud import tenants as crud_tenants
+from gateway.crud import tiers as crud_tiers
+from gateway.db import migrate
+from gateway.db.models import ApiKey
+from gateway.db.session import make_engine, make_sessionmaker
+from gateway.observability.records import record_row
+from tests.support.gateway_fixtures import sqlite_url
+from tests.support.tenancy_fixtures import PG, _pg_admin, skip_or_fail
+from tests.gateway.tenancy.test_records import outcome
+
+TENANCY_TABLES = {"sla_tiers", "request_records", "usage_rollups"}
+
+
+@pytest.fixture
+def pg_empty_url():
+    import asyncpg
+
+    name = f"sparkgate_mig_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+        skip_or_fail(f"Postgres at 127.0.0.1:5432 is not usable ({exc!r})")
+    yield PG + name
+    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def inspect_db(url: str) -> dict:
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            def read(c):
+                insp = inspect(c)
+                tables = set(insp.get_table_names())
+                out = {"tables": tables}
+                if "request_records" in tables:
+                    out["record_indexes"] = {i["name"] for i in insp.get_indexes("request_records")}
+                    out["rollup_uniques"] = [u["column_names"] for u in insp.get_unique_constraints("usage_rollups")]
+                    out["tenant_fks"] = [f["referred_table"] for f in insp.get_foreign_keys("tenants")]
+                return out
+            return await conn.run_sync(read)
+    finally:
+        await engine.dispose()
+
+
+async def scenario(url: str) -> None:
+    await migrate.upgrade_async(url, "0001_initial")
+    key = "sk-sg-" + uuid.uuid4().hex
+    engine = make_engine(url)
+    async with engine.begin() as conn:  # data as 0001 wrote it (today's ORM models need 0002)
+        await conn.execute(text("INSERT INTO tenants (id, name) VALUES (1, 'acme')"))
+        await conn.execute(text("INSERT INTO api_keys (id, digest, prefix, tenant_id, user_label, token_budget) "
+                                "VALUES (1, :d, :p, 1, 'alice', 100)"), {"d": key_digest(key), "p": key[:12]})
+    await engine.dispose()
+    await migrate.upgrade_async(url)
+    sm = make_sessionmaker(make_engine(url))
+    assert await migrate.current_revision_async(url) == migrate.head_revision()
+    info = await inspect_db(url)
+    assert TENANCY_TABLES <= info["tables"]
+    # SQLite: no FK (adding one would rebuild tenants and cascade-delete every key)
+    assert info["tenant_fks"] == ([] if url.startswith("sqlite") else ["sla_tiers"])
+    assert {"ix_request_records_tenant_finished", "ix_request_records_tenant_user_finished",
+            "ix_request_records_finished_at"} <= info["record_indexes"]
+    assert ["minute", "tenant", "user", "tier", "model"] in info["rollup_uniques"]
+    async with sm() as s:
+        row = await s.scalar(select(ApiKey))
+        assert (row.tokens_used, row.token_budget, row.rpm_limit) == (0, 100, None)  # the old key survived
+        assert (await crud_keys.authenticate(s, key_digest(key))).tenant == "acme"
+        default = await crud_tiers.get_tier(s, "default")
+        assert default.id == 1 and default.rpm is None and default.max_queue_wait_s == 10.0
+        assert (await crud_tenants.get_tenant(s, "acme")).tier is None
+        gold = await crud_tiers.create_tier(s, "gold", rpm=120, priority=10)
+        assert gold.id == 2  # the sequence continues after the seeded row (Postgres)
+        await crud_tenants.set_tier(s, "acme", "gold")
+        r = record_row(outcome(1))
+        r["key_id"] = row.id
+        await crud_records.insert_records(s, [r])
+        s.expire_all()
+        assert (await s.scalar(select(ApiKey))).tokens_used == 16
+    await sm.kw["bind"].dispose()
+
+    await migrate.downgrade_async(url, "0001_initial")
+    info = await inspect_db(url)
+    assert not TENANCY_TABLES & info["tables"] and {"tenants", "api_keys"} <= info["tables"]
+    engine = make_engine(url)
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM api_keys"))).scalar() == 1
+    await engine.dispose()
+    await migrate.downgrade_async(url, "base")
+    assert not ({"tenants", "api_keys"} | TENANCY_TABLES) & (await inspect_db(url))["tables"]
+    await migrate.upgrade_async(url)
+    assert TENANCY_TABLES <= (await inspect_db(url))["tables"]
+
+
+async def test_sqlite_0002_round_trip_keeps_keys(tmp_path):
+    await scenario(sqlite_url(tmp_path / "mig.db"))
+
+
+@pytest.mark.postgres
+async def test_postgres_0002_round_trip_keeps_keys(pg_empty_url):
+    await scenario(pg_empty_url)

@@ -1,0 +1,171 @@
+"""Speculative decoding served through the gateway (issue: DSpark in the engine, "serves
+through the gateway"): the real fp32 model under uvicorn with ``spec_method`` dspark
+(random-init drafter, ``dspark-sla``) and prompt lookup. At T = 0 the HTTP replies equal the
+autoregressive engine's, streamed and not; ``return_spec_stats`` gives consistent stats on
+the completion and on the final stream chunk; the request records carry the same stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import pytest
+
+from runtime.engine.async_engine import AsyncEngine
+from runtime.config import EngineConfig
+from tests.support import TEST_DATA
+
+pytestmark = pytest.mark.model
+
+ADMIN = "adm-spec-gateway"
+SPS_TABLE = TEST_DATA / "sps_table.json"  # committed: no profiling in tests
+PROMPTS = [
+    # repetitive: prompt lookup gets drafts accepted
+    "Repeat this line three times: the quick brown fox jumps over the lazy dog.",
+    "What is the capital of France?",
+]
+
+
+def make_app(target_fp32, tokenizer, db_url: str, spec_method: str, spec_gate: bool = False):
+    from gateway.main import create_app
+    from runtime.engine.llm_engine import LLMEngine
+    from tests.support.gateway_fixtures import make_settings
+
+    # spec_gate off: the gate decides by measured time, so the streamed and the plain run of a
+    # prompt could speculate on different steps and report different (equally valid) stats
+    cfg = EngineConfig(dtype="float32", max_batch_size=2, max_context=512, spec_method=spec_method,
+                       spec_policy="dspark-sla" if spec_method == "dspark" else "fixed", num_speculative_tokens=4,
+                       sps_table_path=str(SPS_TABLE) if spec_method == "dspark" else None, spec_gate=spec_gate)
+    engine = AsyncEngine(cfg, engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
+    return create_app(make_settings(db_url, admin_token=ADMIN), engine)
+
+
+def body(prompt: str, **extra) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": 40, "return_spec_stats": True, **extra}
+
+
+def stream_events(base: str, key: str, payload: dict) -> list:
+    with httpx.stream("POST", base + "/v1/chat/completions", json=payload,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in r.iter_lines() if line]
+
+
+def serve(target_fp32, tokenizer, tmp_path, template, spec_method: str, spec_gate: bool = False):
+    from gateway.crud.keys import issue_key
+    from tests.support.gateway_fixtures import sqlite_url
+
+    db = tmp_path / f"{spec_method}.sqlite"
+    shutil.copy(template, db)
+    url = sqlite_url(db)
+    key = asyncio.run(issue_key(url, "spec-tenant", "sam"))
+    return make_app(target_fp32, tokenizer, url, spec_method, spec_gate), key
+
+
+@pytest.fixture(scope="module")
+def ar_replies(target_fp32, tokenizer, tmp_path_factory, migrated_template):
+    from tests.support.hardening_util import serve_in_thread
+
+    app, key = serve(target_fp32, tokenizer, tmp_path_factory.mktemp("ar"), migrated_template, "none")
+    with serve_in_thread(app) as base:
+        out = []
+        for p in PROMPTS:
+            r = httpx.post(base + "/v1/chat/completions", json=body(p), headers={"Authorization": f"Bearer {key}"},
+                           timeout=300)
+            assert r.status_code == 200, r.text
+            out.append(r.json())
+    return out
+
+
+@pytest.mark.parametrize("method", ["dspark", "prompt_lookup"])
+def test_speculative_gateway_replies_equal_autoregressive_with_consistent_stats(
+        target_fp32, tokenizer, tmp_path, migrated_template, ar_replies, method):
+    from tests.support.hardening_util import serve_in_thread
+
+    assert ar_replies[0].get("spec_stats") is None  # no speculation: nothing to report
+    app, key = serve(target_fp32, tokenizer, tmp_path, migrated_template, method)
+    auth = {"Authorization": f"Bearer {key}"}
+    with serve_in_thread(app) as base:
+        accepted = 0
+        stats = {}
+        for prompt, ar in zip(PROMPTS, ar_replies):
+            r = httpx.post(base + "/v1/chat/completions", json=body(prompt), headers=auth, timeout=300)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            stats[got["id"]] = got["spec_stats"]
+            text = got["choices"][0]["message"]["content"]
+            assert text == ar["choices"][0]["message"]["content"]  # lossless at T = 0 (fp32)
+            assert got["choices"][0]["finish_reason"] == ar["choices"][0]["finish_reason"]
+            assert got["usage"] == ar["usage"]
+            st = got["spec_stats"]
+            n = got["usage"]["completion_tokens"]
+            # every token but the first (sampled after prefill) comes from a verification round
+            assert st["rounds"] >= 1 and st["emitted"] == n - 1
+            assert st["tau"] == pytest.approx(st["emitted"] / st["rounds"], abs=1e-4)
+            assert 0 <= st["accepted"] <= st["verified"] <= st["drafted"] <= 4 * st["rounds"]
+            assert st["emitted"] == st["rounds"] + st["accepted"] or got["choices"][0]["finish_reason"] == "stop"
+            assert sum(st["accepted_per_position"]) == st["accepted"] and len(st["accepted_per_position"]) == 4
+            accepted += st["accepted"]
+
+            events = stream_events(base, key, body(prompt, stream=True, stream_options={"include_usage": True}))
+            assert events[-1] == "[DONE]"
+            chunks = [e for e in events[:-1] if e["choices"]]
+            assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+            assert chunks[-1]["choices"][0]["finish_reason"] == got["choices"][0]["finish_reason"]
+            assert chunks[-1]["spec_stats"] == st  # same T = 0 run, same stats
+            assert all("spec_stats" not in c or c is chunks[-1] for c in events[:-1])
+            assert events[-2]["choices"] == []
+            # the repeated prompt now hits the prefix cache: only cached_tokens may grow
+            streamed, whole = dict(events[-2]["usage"]), dict(got["usage"])
+            cached = [u.pop("prompt_tokens_details")["cached_tokens"] for u in (streamed, whole)]
+            assert cached[0] >= cached[1]
+            assert streamed == whole
+        if method == "prompt_lookup":
+            assert accepted > 0  # the repetitive prompt gets n-gram drafts accepted
+
+        # the request records carry the same speculative stats
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        assert httpx.post(base + "/admin/v1/rollups/refresh", headers=admin).status_code == 204
+        for rid, st in stats.items():
+            rec = httpx.get(f"{base}/admin/v1/requests/{rid}", headers=admin).json()
+            assert (rec["spec_rounds"], rec["spec_accepted"], rec["spec_emitted"]) == \
+                (st["rounds"], st["accepted"], st["emitted"])
+            assert rec["spec_tau"] == pytest.approx(st["tau"], abs=1e-3)
+
+
+def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path, migrated_template, ar_replies):
+    """With the speculation gate on (the serving default), replies still equal AR at T = 0,
+    gated rounds show up in ``spec_stats`` as rounds that drafted nothing, and the engine's
+    speculative + gated step counters in /metrics add up to its decode rounds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.support.hardening_util import serve_in_thread
+
+    def engine_counters(base):
+        text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+        names = ("sparkgate:engine_decode_steps_total", "sparkgate:spec_decode_steps_total",
+                 "sparkgate:spec_decode_gated_steps_total")
+        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names}
+        return [got[n] for n in names]
+
+    app, key = serve(target_fp32, tokenizer, tmp_path, migrated_template, "dspark", spec_gate=True)
+    with serve_in_thread(app) as base:
+        rounds = 0
+        for prompt, ar in zip(PROMPTS, ar_replies):
+            r = httpx.post(base + "/v1/chat/completions", json=body(prompt), headers={"Authorization": f"Bearer {key}"},
+                           timeout=300)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["message"]["content"] == ar["choices"][0]["message"]["content"]
+            assert got["usage"] == ar["usage"]
+            st = got["spec_stats"]
+            assert st["emitted"] == got["usage"]["completion_tokens"] - 1
+            assert 0 <= st["gated_rounds"] <= st["rounds"]
+            assert st["verified"] <= st["drafted"] <= 4 * (st["rounds"] - st["gated_rounds"])
+            rounds += st["rounds"]
+        decode, spec, gated = engine_counters(base)
+    assert spec + gated == decode == rounds  # one request at a time: each decode round is one of its rounds
+    assert spec >= 2 and gated >= 2  # the gate's warm-up ran both modes

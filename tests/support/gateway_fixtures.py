@@ -1,0 +1,99 @@
+"""Shared fixtures/helpers for the gateway tests (``tests/gateway/``).
+
+Registered once as a pytest plugin (``pytest_plugins`` in ``tests/conftest.py``), so the
+fixtures are available in every test module; import only the helpers (``chat``,
+``make_settings``, ...). Every test gets a fresh SQLite database
+copied from one migrated template, a :class:`tests.support.fakes.FakeBackend`, the app with
+its lifespan running, an ``httpx.AsyncClient`` over ``ASGITransport`` and a key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.core.config import Settings
+from gateway.crud.keys import issue_key
+from gateway.db.migrate import upgrade
+from gateway.main import create_app
+from tests.support.fakes import FakeBackend
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite+aiosqlite:///{path}"
+
+
+def make_settings(database_url: str, **overrides) -> Settings:
+    """Settings independent of the developer's environment / .env."""
+    return Settings(_env_file=None, database_url=database_url, **overrides)
+
+
+def parse_sse(body: str) -> list:
+    """Split an SSE body into events; each must be exactly ``data: <payload>``.
+    Returns JSON-decoded payloads, with the literal string ``"[DONE]"`` kept as is."""
+    assert body.endswith("\n\n"), f"SSE body must end with a blank line: {body[-40:]!r}"
+    events = []
+    for block in body[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, f"bad SSE event {block!r}"
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def chat(content: str = "Say hello", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+@pytest.fixture(scope="session")
+def migrated_template(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gateway-db") / "template.db"
+    upgrade(sqlite_url(path))
+    return path
+
+
+@pytest.fixture
+def db_url(tmp_path, migrated_template) -> str:
+    path = tmp_path / "sparkgate.db"
+    shutil.copy(migrated_template, path)
+    return sqlite_url(path)
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+def settings(db_url) -> Settings:
+    return make_settings(db_url)
+
+
+@pytest.fixture
+async def app(settings, backend):
+    application = create_app(settings, backend)
+    async with application.router.lifespan_context(application):
+        await application.state.backend_start
+        yield application
+
+
+@pytest.fixture
+async def client(app):
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway.test") as c:
+        yield c
+
+
+@pytest.fixture
+async def api_key(settings) -> str:
+    return await issue_key(settings.database_url, "acme", "alice")
+
+
+@pytest.fixture
+def auth(api_key) -> dict:
+    return {"Authorization": f"Bearer {api_key}"}

@@ -13,9 +13,10 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 from runtime.config import EngineConfig
+from runtime.engine.detokenizer import GatewayTokenization
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -30,7 +31,7 @@ from runtime.interface import (
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(GatewayTokenization):
     """The embedded backend. ``await start()`` loads the model (in a thread)."""
 
     def __init__(self, config: EngineConfig, engine_factory=None) -> None:
@@ -74,19 +75,6 @@ class AsyncEngine:
 
             return BackendInfo(MODEL_NAME, self.config.max_context, 2)
         return BackendInfo(self.engine.model_name, self.config.max_context, self.engine.eos_token_id)
-
-    # -- tokenization (gateway side) -----------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        from runtime.engine.detokenizer import token_bytes
-
-        return token_bytes(self._tokenizer, token_ids)
 
     # -- streaming --------------------------------------------------------------
     def load(self) -> LoadSnapshot:

@@ -257,3 +257,21 @@ def token_bytes(tokenizer, token_ids: Sequence[int]) -> list[bytes]:
         else:
             out.append(tok.decode([tid], skip_special_tokens=False).encode())
     return out
+
+
+class GatewayTokenization:
+    """The :class:`~runtime.interface.Backend` methods that run on the gateway side, over the
+    backend's Hugging Face tokenizer ``self._tokenizer``: the ChatML prompt, plain encoding
+    (no special tokens added) and each token's bytes (:func:`token_bytes`)."""
+
+    _tokenizer: object
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return token_bytes(self._tokenizer, token_ids)

@@ -88,6 +88,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import httpx
 
+from runtime.engine.detokenizer import GatewayTokenization
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -414,7 +415,7 @@ class _Busy(Exception):
         self.retry_after_s = retry_after_s
 
 
-class SGLangBackend:
+class SGLangBackend(GatewayTokenization):
     """:class:`runtime.interface.Backend` streaming from SGLang servers (module docstring).
 
     Args:
@@ -501,19 +502,6 @@ class SGLangBackend:
         # logprobs are not mapped from SGLang's return_logprob meta yet: the gateway answers 400
         return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
                            supports_logprobs=False)
-
-    # -- tokenization (gateway side) ----------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        from runtime.engine.detokenizer import token_bytes
-
-        return token_bytes(self._tokenizer, token_ids)
 
     # -- load -----------------------------------------------------------------------
     def load(self) -> LoadSnapshot:

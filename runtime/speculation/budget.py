@@ -266,36 +266,25 @@ def _static(
 
 
 # ---------------------------------------------------------------- policies
-def schedule_fixed(
-    confidences: Any,
-    sps: SpsLike | None = None,
-    *,
-    weights: Sequence[float] | None = None,
-    context_len: float | None = None,
-    max_budget: int | None = None,
-) -> Schedule:
+def _schedule_static(policy: str, admissible: Callable[[int, float], bool], confidences: Any, sps: SpsLike | None,
+                     weights: Sequence[float] | None, context_len: float | None, max_budget: int | None) -> Schedule:
+    rows = _rows(confidences)
+    lengths = _static(rows, admissible, max_budget)
+    return _finish(policy, rows, lengths, _weights(weights, len(rows)), _sps_fn(sps, context_len))
+
+
+def schedule_fixed(confidences: Any, sps: SpsLike | None = None, *, weights: Sequence[float] | None = None,
+                   context_len: float | None = None, max_budget: int | None = None) -> Schedule:
     """``fixed``: verify every drafted token, ℓ_r = γ_r (round-robin cut by
     ``max_budget`` if given). Arguments as :func:`schedule`."""
-    rows = _rows(confidences)
-    w = _weights(weights, len(rows))
-    lengths = _static(rows, lambda j, a: True, max_budget)
-    return _finish("fixed", rows, lengths, w, _sps_fn(sps, context_len))
+    return _schedule_static("fixed", lambda j, a: True, confidences, sps, weights, context_len, max_budget)
 
 
-def schedule_mtp1(
-    confidences: Any,
-    sps: SpsLike | None = None,
-    *,
-    weights: Sequence[float] | None = None,
-    context_len: float | None = None,
-    max_budget: int | None = None,
-) -> Schedule:
+def schedule_mtp1(confidences: Any, sps: SpsLike | None = None, *, weights: Sequence[float] | None = None,
+                  context_len: float | None = None, max_budget: int | None = None) -> Schedule:
     """``mtp1``: one draft token per request, ℓ_r = min(1, γ_r) (MTP-1 style baseline).
     Arguments as :func:`schedule`."""
-    rows = _rows(confidences)
-    w = _weights(weights, len(rows))
-    lengths = _static(rows, lambda j, a: j <= 1, max_budget)
-    return _finish("mtp1", rows, lengths, w, _sps_fn(sps, context_len))
+    return _schedule_static("mtp1", lambda j, a: j <= 1, confidences, sps, weights, context_len, max_budget)
 
 
 def schedule_threshold(

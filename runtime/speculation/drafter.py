@@ -38,12 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engine.kv_cache import KVCache
 from runtime.engine.sampler import SamplingBatch, sample, uniform, warp_probs
 from runtime.kernels.dispatch import kernel_path, markov_sample
 from runtime.models.llama import (
-    MLP,
-    Attention,
-    LlamaConfig,
+    DecoderLayer,
     LlamaModel,
     RMSNorm,
     Rotary,
@@ -53,7 +52,7 @@ from runtime.speculation.config import DrafterConfig
 from runtime.speculation.markov_head import MarkovHead, apply_markov, build_markov_head
 
 
-class DraftContextCache:
+class DraftContextCache(KVCache):
     """Per-slot projected context K/V of every draft layer (analogous to :class:`KVCache`).
 
     Layout per tensor: ``[num_layers, num_slots, num_kv_heads, max_len + block_size, head_dim]``.
@@ -61,7 +60,8 @@ class DraftContextCache:
     positions; ``[lengths[slot] : lengths[slot] + γ]`` is scratch where
     :meth:`DSparkDrafter.forward_block` writes the block's own K/V (so a block's
     attention is one contiguous view, no copy). Rolling back = :meth:`truncate`.
-    Slot ids are the engine's (use the target KV cache's slot for the sequence).
+    Slot ids are the engine's (use the target KV cache's slot for the sequence): the
+    :class:`KVCache` slot allocator is not used; :meth:`reset` starts a slot.
 
     Args:
         num_layers: draft layers.
@@ -72,41 +72,15 @@ class DraftContextCache:
         dtype, device: storage (the drafter's dtype).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        block_size: int,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_len + block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 block_size: int, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> None:
+        super().__init__(num_layers, num_slots, num_kv_heads, head_dim, max_len + block_size, dtype, device)
         self.max_len = max_len
         self.block_size = block_size
-        self.lengths = [0] * num_slots
 
     def reset(self, slot: int) -> None:
         """Start a new sequence in ``slot`` (length 0)."""
         self.lengths[slot] = 0
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Roll back to ``length`` committed context positions.
-
-        Raises:
-            ValueError: ``length`` outside ``[0, lengths[slot]]``.
-        """
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"cannot truncate draft context slot {slot} from {self.lengths[slot]} to {length}")
-        self.lengths[slot] = length
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
 
     def append_plan(
         self, taps: torch.Tensor, num_taps: int, slots: Sequence[int], counts: Sequence[int]
@@ -145,15 +119,9 @@ class DraftContextCache:
             self.lengths[s] += n
 
 
-class DraftLayer(nn.Module):
-    """One draft decoder layer: the target's design (RMSNorm → GQA+RoPE → RMSNorm → SwiGLU)."""
-
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+class DraftLayer(DecoderLayer):
+    """One draft decoder layer: the target's design and parameters (RMSNorm → GQA+RoPE →
+    RMSNorm → SwiGLU), with a block forward over the projected context K/V."""
 
     def context_kv(
         self, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -4,35 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import pytest
 
 from gateway import cli
 from gateway.db import migrate
-from gateway.main import create_app
 from tests.support.fakes import FakeBackend
-from tests.support.gateway_fixtures import MODEL, chat, make_settings, sqlite_url
-
-
-def http(url: str, key: str, method: str = "POST", path: str = "/v1/chat/completions", **kw):
-    """One request against a fresh app on the database ``url``; returns (response, backend)."""
-    backend = FakeBackend()
-
-    async def go():
-        app = create_app(make_settings(url), backend)
-        async with app.router.lifespan_context(app):
-            await app.state.backend_start
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-                return await c.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
-
-    return asyncio.run(go()), backend
-
-
-@pytest.fixture
-def cli_env(db_url, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPARKGATE_DATABASE_URL", db_url)
-    monkeypatch.chdir(tmp_path)  # no developer .env
-    return db_url
+from tests.support.gateway_fixtures import MODEL, chat, http, make_settings, sqlite_url
 
 
 def test_keys_create_prints_a_key_that_authenticates(cli_env, capsys):

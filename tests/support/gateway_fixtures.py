@@ -9,6 +9,7 @@ its lifespan running, an ``httpx.AsyncClient`` over ``ASGITransport`` and a key.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway import cli
 from gateway.core.config import Settings
 from gateway.crud.keys import issue_key
 from gateway.db.migrate import upgrade
@@ -97,3 +99,24 @@ async def api_key(settings) -> str:
 @pytest.fixture
 def auth(api_key) -> dict:
     return {"Authorization": f"Bearer {api_key}"}
+
+
+def http(url: str, key: str, method: str = "POST", path: str = "/v1/chat/completions", **kw):
+    """One request against a fresh app on the database ``url``; returns (response, backend)."""
+    backend = FakeBackend()
+
+    async def go():
+        app = create_app(make_settings(url), backend)
+        async with app.router.lifespan_context(app):
+            await app.state.backend_start
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await c.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
+
+    return asyncio.run(go()), backend
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    """``sparkgate ARGV…`` in-process: (exit code, stdout, stderr)."""
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err

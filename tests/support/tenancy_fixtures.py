@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import uuid
+from datetime import datetime, timezone
 
 import httpx
 import pytest
@@ -22,6 +23,8 @@ from sqlalchemy import text
 from gateway.db.migrate import upgrade
 from gateway.db.session import make_engine
 from gateway.main import create_app
+from gateway.observability.observe import FINISHED, RequestContext, RequestOutcome
+from runtime.interface import RequestTimings
 from tests.support.fakes import FakeBackend
 from tests.support.gateway_fixtures import make_settings, sqlite_url
 
@@ -46,20 +49,29 @@ async def _pg_admin(sql: str) -> None:
         await conn.close()
 
 
-@pytest.fixture(scope="session")
-def pg_tenancy_url():
-    """A fresh, migrated Postgres database for this session; dropped afterwards."""
+@contextlib.contextmanager
+def new_pg_database(prefix: str):
+    """A new, empty Postgres database at 127.0.0.1:5432 (its URL), dropped on exit; skips when
+    Postgres is not usable (fails under CI=true)."""
     import asyncpg
 
-    name = f"sparkgate_tenancy_{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     try:
         asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
         skip_or_fail(f"Postgres at 127.0.0.1:5432 is not usable ({exc!r})")
-    url = PG + name
-    upgrade(url)
-    yield url
-    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    try:
+        yield PG + name
+    finally:
+        asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def pg_tenancy_url():
+    """A fresh, migrated Postgres database for this session; dropped afterwards."""
+    with new_pg_database("sparkgate_tenancy") as url:
+        upgrade(url)
+        yield url
 
 
 async def reset_postgres(url: str) -> None:
@@ -182,3 +194,15 @@ def controller_with_a_full_tenant(tier, limiter=None, tenant: str = "t"):
 
     ctl.policies.get = get_policy
     return ctl
+
+
+def outcome(i: int, tenant="acme", user="u", finished_at: datetime | None = None, tps: float | None = 10.0,
+            status=FINISHED, target=None, spec=None) -> RequestOutcome:
+    """A synthetic outcome that ended at ``finished_at`` with decode speed ``tps``."""
+    end = (finished_at or datetime.now(timezone.utc)).timestamp()
+    ctx = RequestContext(f"req-{i}", "chat", "m", False, prompt_tokens=5, max_tokens=50, tenant=tenant, user=user,
+                         tier="gold", sla_target_tokens_per_s=target, received_wall=end - 2.0, received_mono=100.0)
+    t = RequestTimings(wall_queued=end - 2.0, queued=100.0, started=100.1, first_token=100.5,
+                       last_token=100.5 + (10 / tps if tps else 0.0), finished=102.0)
+    return RequestOutcome(ctx, status, finish_reason="stop", prompt_tokens=5, completion_tokens=11 if tps else 1,
+                          timings=t, spec=spec, ended_mono=102.0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from gateway.db.session import make_engine, make_sessionmaker
 from tests.support.gateway_fixtures import sqlite_url
 
 REPO = Path(__file__).resolve().parents[3]
-PG_HOST, PG_PORT, PG_USER = "127.0.0.1", 5432, "postgres"
 
 API_KEY_COLUMNS = {"id", "digest", "prefix", "tenant_id", "user_label", "created_at", "last_used_at",
                    "expires_at", "revoked_at", "token_budget", "tokens_used", "rpm_limit", "tpm_limit"}
@@ -111,33 +109,6 @@ def test_sync_helpers_and_alembic_cli_use_settings_url(tmp_path):
 # ------------------------------------------------------------------------- Postgres
 
 
-@pytest.fixture(scope="session")
-def postgres_url():
-    """A fresh database for this session; dropped afterwards."""
-    import asyncio
-
-    import asyncpg
-
-    name = f"sparkgate_test_{uuid.uuid4().hex[:12]}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, database="postgres", timeout=5)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    try:
-        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
-        msg = f"Postgres at {PG_USER}@{PG_HOST}:{PG_PORT} is not usable ({exc!r})"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg + " and CI=true requires it")
-        pytest.skip(msg + "; skipping the Postgres migration tests")
-    yield f"postgresql+asyncpg://{PG_USER}@{PG_HOST}:{PG_PORT}/{name}"
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
 @pytest.mark.postgres
-async def test_postgres_round_trip(postgres_url):
-    await round_trip(postgres_url)
+async def test_postgres_round_trip(pg_empty_url):
+    await round_trip(pg_empty_url)

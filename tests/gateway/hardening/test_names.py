@@ -16,7 +16,7 @@ from gateway.crud import tenants as crud_tenants
 from gateway.crud import tiers as crud_tiers
 from gateway.db.session import make_engine, make_sessionmaker
 from tests.support.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
-from tests.gateway.tenancy.test_cli import cli_env, run  # noqa: F401 (cli_env: the fixture)
+from tests.support.gateway_fixtures import run
 
 H = {**ADMIN_HEADERS, "content-type": "application/json"}
 BAD_NAMES = ["<b>x</b>", "a/b", "a b", "-lead", ".hidden", "x" * 65, "\ud800", "a\x00b", "é", ""]

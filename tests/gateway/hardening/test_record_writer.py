@@ -18,7 +18,7 @@ from gateway.crud import records as crud_records
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.observability.records import RecordWriter
 from tests.support.tenancy_fixtures import ADMIN_HEADERS, running_app
-from tests.gateway.tenancy.test_records import outcome
+from tests.support.tenancy_fixtures import outcome
 
 
 async def stored_ids(sessionmaker) -> set[str]:

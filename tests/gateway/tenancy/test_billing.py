@@ -21,8 +21,7 @@ from gateway.observability.observe import CANCELLED, FAILED, FINISHED, REJECTED
 from gateway.observability.records import record_row
 from tests.support.gateway_fixtures import chat, sqlite_url
 from tests.support.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
-from tests.gateway.tenancy.test_migrations import pg_empty_url  # noqa: F401 — fixture
-from tests.gateway.tenancy.test_records import outcome
+from tests.support.tenancy_fixtures import outcome
 
 PROMPT, COMPLETION = 6, 7  # chat("hi") templated by the FakeBackend; its script is 7 tokens long
 

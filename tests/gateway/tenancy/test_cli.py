@@ -3,24 +3,9 @@ checked through the app (limits and tier actually applied)."""
 
 from __future__ import annotations
 
-import pytest
 
-from gateway import cli
 from tests.support.gateway_fixtures import chat
-from tests.gateway.test_cli import http
-
-
-@pytest.fixture
-def cli_env(db_url, tmp_path, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("SPARKGATE_DATABASE_URL", db_url)
-    monkeypatch.chdir(tmp_path)
-    return db_url
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
+from tests.support.gateway_fixtures import http, run
 
 
 def test_tiers_tenants_keys_commands(cli_env, capsys):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
@@ -19,23 +18,9 @@ from gateway.db.models import ApiKey
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.observability.records import record_row
 from tests.support.gateway_fixtures import sqlite_url
-from tests.support.tenancy_fixtures import PG, _pg_admin, skip_or_fail
-from tests.gateway.tenancy.test_records import outcome
+from tests.support.tenancy_fixtures import outcome
 
 TENANCY_TABLES = {"sla_tiers", "request_records", "usage_rollups"}
-
-
-@pytest.fixture
-def pg_empty_url():
-    import asyncpg
-
-    name = f"sparkgate_mig_{uuid.uuid4().hex[:12]}"
-    try:
-        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
-        skip_or_fail(f"Postgres at 127.0.0.1:5432 is not usable ({exc!r})")
-    yield PG + name
-    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 async def inspect_db(url: str) -> dict:

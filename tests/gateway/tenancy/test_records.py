@@ -13,30 +13,18 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.crud import records as crud_records
 from gateway.db.session import make_engine, make_sessionmaker
-from gateway.observability.observe import FINISHED, RequestContext, RequestOutcome
+from gateway.observability.observe import RequestContext
 from gateway.observability.records import RecordWriter, record_row
-from runtime.interface import RequestTimings, SpecStats
+from runtime.interface import SpecStats
 from tests.support.gateway_fixtures import chat
 from tests.support.polling import async_wait_until
-from tests.support.tenancy_fixtures import CountingBackend, bearer, new_key, running_app
+from tests.support.tenancy_fixtures import CountingBackend, bearer, new_key, outcome, running_app
 
 
 def broken_sessionmaker(tmp_path):
     """Sessions on a database that cannot be opened (a directory that does not exist)."""
     engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path}/missing/dir/x.db")
     return make_sessionmaker(engine)
-
-
-def outcome(i: int, tenant="acme", user="u", finished_at: datetime | None = None, tps: float | None = 10.0,
-            status=FINISHED, target=None, spec=None) -> RequestOutcome:
-    """A synthetic outcome that ended at ``finished_at`` with decode speed ``tps``."""
-    end = (finished_at or datetime.now(timezone.utc)).timestamp()
-    ctx = RequestContext(f"req-{i}", "chat", "m", False, prompt_tokens=5, max_tokens=50, tenant=tenant, user=user,
-                         tier="gold", sla_target_tokens_per_s=target, received_wall=end - 2.0, received_mono=100.0)
-    t = RequestTimings(wall_queued=end - 2.0, queued=100.0, started=100.1, first_token=100.5,
-                       last_token=100.5 + (10 / tps if tps else 0.0), finished=102.0)
-    return RequestOutcome(ctx, status, finish_reason="stop", prompt_tokens=5, completion_tokens=11 if tps else 1,
-                          timings=t, spec=spec, ended_mono=102.0)
 
 
 async def test_every_request_outcome_becomes_exactly_one_row(tenancy_db):

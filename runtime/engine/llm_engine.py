@@ -261,6 +261,7 @@ class LLMEngine:
         res = spec_round(
             out.logits[:num_rows], draft_probs, draft_tokens, lengths,
             [s.num_cached for s in seqs], *sampling.tensors, sampling.generators,
+            seeds=sampling.seeds, positions=sampling.positions,
         )  # fmt: skip
         for seq, keep in zip(seqs, res.keep_target):
             self.cache.truncate(seq.slot, keep)

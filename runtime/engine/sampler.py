@@ -26,6 +26,16 @@ request owns a ``torch.Generator`` (:func:`request_generator`); a row's result
 depends only on its own logits, parameters and generator, never on the rest of
 the batch.
 
+**Seeded requests** (``seed`` set, temperature > 0) draw no numbers from a stream:
+the token at output position i is the Gumbel-max ``argmax_v(log p_i(v) + g_i(v))``
+over the warped distribution p_i, with the noise g_i a pure function of (seed, i)
+(:func:`gumbel_noise`, counter-based: a hash of seed, position and token id). That
+is an exact draw from p_i (Gumbel 1954; the "Gumbel-max trick"), and because the
+noise of position i does not depend on how many numbers earlier steps consumed,
+speculative verification can accept a draft iff it equals this token
+(:func:`runtime.speculation.verifier.verify_seeded`): the text is identical with
+speculation on or off (Daliri et al. 2024, arXiv:2408.07978, "coupling").
+
 Performance (2-core CPU, V = 49152, fp32; see ``tests/runtime/engine/test_sampler.py``
 ``test_warp_timing`` / the report): rows without top-k/top-p never sort
 (one softmax); top-p rows find the nucleus among the 256 most likely tokens
@@ -34,6 +44,7 @@ with ``topk``, then among 4096, and fully sort only rows whose nucleus is larger
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,6 +61,83 @@ NUCLEUS_CANDIDATES = (256, 4096)
 
 _SEED_MASK = (1 << 64) - 1
 INT64_MAX = (1 << 63) - 1
+_M31 = (1 << 31) - 1
+_MIX = 0x45D9F3B  # < 2**27: a 31-bit value times it stays below 2**58 (no int64 overflow)
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 31-bit integer hash (xorshift-multiply, two rounds), elementwise and in
+    place on int64 values in [0, 2**31); returns ``x``."""
+    x ^= x >> 16
+    x.mul_(_MIX).bitwise_and_(_M31)
+    x ^= x >> 16
+    x.mul_(_MIX).bitwise_and_(_M31)
+    x ^= x >> 16
+    return x
+
+
+@functools.lru_cache(maxsize=8)
+def _token_keys(vocab: int, device: str) -> torch.Tensor:
+    """``[1, vocab]`` int64: the hashed token ids the row keys are mixed with."""
+    return _mix31(torch.arange(vocab, dtype=torch.int64, device=device) ^ 0x1B873593)[None, :]
+
+
+def _row_keys(parts: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """31-bit key per row from its seed ``parts`` ``[N, 3]`` (bits 0–30, 31–61, 62–63) and
+    output position; ``stream`` selects an independent family of keys."""
+    k = _mix31(parts[:, 0] ^ stream)
+    k = _mix31(k ^ parts[:, 1])
+    k = _mix31(k ^ parts[:, 2])
+    return _mix31(k ^ positions)[:, None]
+
+
+def gumbel_noise(
+    seeds: Sequence[int], positions: Sequence[int], vocab: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Standard Gumbel noise ``g[i, v] = −log(−log u)`` keyed by (seed_i, position_i, v) alone.
+
+    Counter-based: u takes 53 bits from two 31-bit hashes of (seed, position, token id),
+    u ∈ (0, 1) strictly; vectorised over rows and vocabulary, no generator state, so the
+    noise of a position never depends on what was drawn before it.
+
+    Args:
+        seeds: per row, the request's seed (any int; reduced mod 2**64 as
+            :func:`request_generator` does).
+        positions: per row, the output position (0 = the first completion token),
+            ``0 ≤ position < 2**31``.
+        vocab: V.
+        device: where to compute.
+
+    Returns:
+        float64 ``[len(seeds), vocab]``.
+
+    Raises:
+        ValueError: a position outside ``[0, 2**31)`` or ``len(seeds) != len(positions)``.
+    """
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds but {len(positions)} positions")
+    if any(not 0 <= int(q) <= _M31 for q in positions):
+        raise ValueError("positions must lie in [0, 2**31)")
+    u64 = [int(x) & _SEED_MASK for x in seeds]
+    parts = torch.tensor([[x & _M31, (x >> 31) & _M31, x >> 62] for x in u64], dtype=torch.int64, device=device)
+    pos = torch.tensor([int(q) for q in positions], dtype=torch.int64, device=device)
+    token = _token_keys(vocab, str(device))
+    hi = _mix31(_row_keys(parts.view(-1, 3), pos, 0x2545F491) ^ token)  # [N, V], 31 bits
+    lo = _mix31(_row_keys(parts.view(-1, 3), pos, 0x68E31DA4) ^ token)
+    hi <<= 22
+    hi |= lo >> 9  # 31 + 22 = 53 bits
+    u = hi.double().add_(0.5).mul_(2.0**-53)  # (0, 1) strictly
+    return u.log_().neg_().log_().neg_()  # −log(−log u)
+
+
+def gumbel_argmax(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """The seeded draw: ``argmax_v(log probs[i, v] + g(seed_i, position_i, v))`` per row
+    (lowest index on ties); an exact sample of each row of ``probs`` [N, V] (fp32, rows of
+    :func:`warp_probs`); zero-probability tokens are never drawn. Returns int64 [N]."""
+    if probs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=probs.device)
+    noise = gumbel_noise(seeds, positions, probs.shape[-1], probs.device)
+    return (probs.double().log() + noise).argmax(-1)
 
 
 def request_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
@@ -105,18 +193,33 @@ class SamplingBatch:
     Attributes:
         temperature, top_k, top_p: ``[N]`` tensors from :func:`params_to_tensors`.
         generators: N per-request generators; row i draws from ``generators[i]``.
+        seeds: per row, the request's ``seed`` (``None``: unseeded); ``None``: no row seeded.
+        positions: per row, the output position of the next token (0 = the first
+            completion token): where a seeded row's noise is keyed (:func:`gumbel_noise`).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     generators: list[torch.Generator]
+    seeds: list[int | None] | None = None
+    positions: list[int] | None = None
 
     @classmethod
     def of(cls, seqs: Sequence) -> "SamplingBatch":
-        """From sequences (``runtime.engine.sequence.SequenceState``: ``request.sampling``, ``generator``),
-        in order. Raises ``ValueError`` as :func:`params_to_tensors`."""
-        return cls(*params_to_tensors([s.request.sampling for s in seqs]), [s.generator for s in seqs])
+        """From sequences (``runtime.engine.sequence.SequenceState``: ``request.sampling``, ``generator``,
+        ``num_generated``), in order. Raises ``ValueError`` as :func:`params_to_tensors`."""
+        params = [s.request.sampling for s in seqs]
+        seeds = [p.seed for p in params]
+        return cls(*params_to_tensors(params), [s.generator for s in seqs],
+                   seeds if any(x is not None for x in seeds) else None, [s.num_generated for s in seqs])
+
+    @cached_property
+    def seeded_rows(self) -> list[int]:
+        """Rows decided by the seeded Gumbel-max draw: a seed and temperature > 0."""
+        if self.seeds is None:
+            return []
+        return [i for i, (x, t) in enumerate(zip(self.seeds, self.temperature.tolist())) if x is not None and t > 0]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,8 +232,19 @@ class SamplingBatch:
         return bool((self.temperature <= 0).all())
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits`` ``[N, V]``: :func:`sample` of :func:`warp_probs`."""
-        return sample(warp_probs(logits, *self.tensors), self.generators)
+        """One token per row of ``logits`` ``[N, V]`` from :func:`warp_probs`: seeded rows by
+        :func:`gumbel_argmax` at their position, the others by :func:`sample`."""
+        probs = warp_probs(logits, *self.tensors)
+        seeded = self.seeded_rows
+        if not seeded:
+            return sample(probs, self.generators)
+        tokens = probs.argmax(-1)
+        rows = torch.tensor(seeded, dtype=torch.long)
+        tokens[rows] = gumbel_argmax(probs[rows], [self.seeds[i] for i in seeded], [self.positions[i] for i in seeded])
+        others = [i for i in range(len(self.generators)) if i not in set(seeded)]
+        if others:
+            tokens[others] = sample(probs[others], [self.generators[i] for i in others])
+        return tokens
 
 
 def _top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

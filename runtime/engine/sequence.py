@@ -59,6 +59,11 @@ class SequenceState:
         return len(self.token_ids)
 
     @property
+    def num_generated(self) -> int:
+        """Completion tokens sampled so far (= the output position of the next one)."""
+        return len(self.token_ids) - self.num_prompt
+
+    @property
     def prompt_remaining(self) -> int:
         return self.num_prompt - self.num_cached
 

@@ -21,13 +21,15 @@ Modes, side by side:
 * **greedy** — :func:`verify_greedy` (every request at temperature 0): one-hot p_t
   makes the rule "accept iff x_k == argmax p_t,k" and the extra token the argmax,
   decided from the logits alone; it also serves plain greedy decoding (ℓ = 0).
-* **seeded** (next issue; room, no code yet) — uniforms keyed by (seed, position)
-  instead of a generator stream, so a request's text does not depend on how many
-  numbers earlier rounds consumed. Only the uniforms' source changes, the rule stays:
-  ``u_accept[d_off[r] + k]`` keyed by (seed_r, p_r + 1 + k) — :func:`verify_chain`
-  as it is — and the extra token's by (seed_r, p_r + 1 + a_r), which needs
-  ``u_sample`` as ``[R, max_ℓ + 1]`` (one per possible a_r, picked by a_r) in
-  :func:`verify_chain` and the kernel; :func:`spec_round` picks the mode per request.
+* **seeded** — :func:`verify_seeded` (requests with a ``seed`` and temperature > 0):
+  the target's token at output position i is the Gumbel-max draw
+  ``argmax_v(log p_t,i(v) + g(seed, i, v))`` (:func:`runtime.engine.sampler.gumbel_argmax`,
+  noise keyed by (seed, position) alone), so a draft is accepted iff it equals that
+  token and the extra token is the draw at the first mismatch — greedy verification
+  on perturbed scores. Exact in distribution, and the text does not depend on ℓ_r:
+  plain decoding (ℓ = 0) emits the same tokens. Acceptance is P(x_k = the target's
+  draw), ≥ (1−δ)/(1+δ) when the drafter draws with the same noise, against 1−δ for
+  rejection sampling (δ = total variation; Daliri et al. 2024, arXiv:2408.07978).
 * **grammar-masked** (next issue; room, no code yet) — a bool mask ``[Σ(ℓ_r+1), V]``
   of allowed tokens per verification row, applied in :func:`spec_round` before the
   mode's call: standard mode zeroes p_t outside the mask and renormalises (a
@@ -59,7 +61,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.engine.sampler import uniform, warp_probs
+from runtime.engine.sampler import gumbel_noise, uniform, warp_probs
 from runtime.kernels.dispatch import backend_for
 from runtime.kernels.gpu.reference import (
     chain_offsets,
@@ -264,6 +266,43 @@ def verify_greedy(
     return VerifyResult(accepted=n_acc, next_tokens=best[t_off + n_acc], draft_tokens=draft_tokens, lengths=lens.to(dev))
 
 
+def verify_seeded(
+    p_target: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    lengths: Sequence[int] | torch.Tensor,
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> VerifyResult:
+    """Seeded mode: :func:`verify_greedy` on the scores ``log p_t + g(seed_r, i)``.
+
+    Args:
+        p_target: fp32 ``[Σ(ℓ_r+1), V]`` warped target distributions (ragged layout).
+        draft_tokens: int64 ``[Σ ℓ_r]``.
+        lengths: ℓ_r per request.
+        seeds: the request seeds; positions: the output position of each request's
+            row 0 (row k decides output position ``positions[r] + k``).
+
+    Returns:
+        :class:`VerifyResult`; draws no random numbers from any generator.
+    """
+    lens = torch.as_tensor(lengths, dtype=torch.long).cpu()
+    rep = (lens + 1).tolist()
+    row_seeds = [x for x, n in zip(seeds, rep) for _ in range(n)]
+    row_pos = [int(q) + k for q, n in zip(positions, rep) for k in range(n)]
+    noise = gumbel_noise(row_seeds, row_pos, p_target.shape[-1], p_target.device)
+    return verify_greedy(p_target.double().log() + noise, draft_tokens, lens)
+
+
+def _subset(lens: torch.Tensor, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification rows and draft rows (ragged layout) of the requests ``keep``."""
+    R = lens.numel()
+    req_t = torch.repeat_interleave(torch.arange(R), lens + 1)
+    req_d = torch.repeat_interleave(torch.arange(R), lens)
+    mask = torch.zeros(R, dtype=torch.bool)
+    mask[keep] = True
+    return mask[req_t].nonzero().squeeze(-1), mask[req_d].nonzero().squeeze(-1)
+
+
 @dataclass
 class RoundResult:
     """One speculative round's outcome for R decoding requests (see :func:`spec_round`).
@@ -300,6 +339,9 @@ def spec_round(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generators: Sequence[torch.Generator],
+    *,
+    seeds: Sequence[int | None] | None = None,
+    positions: Sequence[int] | None = None,
 ) -> RoundResult:
     """Verify one speculative round for a batch (pure: mutates no cache).
 
@@ -330,7 +372,9 @@ def spec_round(
     (temperature ≤ 0) the round is decided by :func:`verify_greedy` on the logits'
     argmax — the same outcome as the standard mode on the one-hot rows, without
     building ``[rows, V]`` distributions, and ``draft_probs`` may be ``None``;
-    otherwise the standard mode (:func:`verify`) on the warped rows.
+    otherwise the standard mode (:func:`verify`) on the warped rows, except for the
+    requests with a seed and temperature > 0, which take the seeded mode
+    (:func:`verify_seeded`; their rows need no draft distribution).
 
     Args:
         target_logits: fp32 ``[Σ(ℓ_r+1), V]`` verification rows, requests in order.
@@ -339,24 +383,31 @@ def spec_round(
         lengths: ℓ_r; starts: p_r (anchor positions).
         temperature, top_k, top_p: per-request ``[R]`` sampling parameters.
         generators: per-request generators.
+        seeds: per-request seed or ``None``; positions: per request, the output
+            position of the token its row 0 decides (both needed for seeded requests).
 
     Returns:
         :class:`RoundResult`.
     """
     lens = torch.as_tensor(list(lengths), dtype=torch.long)
     rep = lens + 1
+    temps = temperature.tolist()
+    seeded = [r for r, (x, t) in enumerate(zip(seeds or [None] * len(temps), temps)) if x is not None and t > 0]
     if bool((temperature <= 0).all()):
         res = verify_greedy(target_logits, draft_tokens, lens)
     else:
-        if draft_probs is None:
-            raise ValueError("draft_probs is required unless every request is greedy")
+        if draft_probs is None and len(seeded) < len(temps):
+            raise ValueError("draft_probs is required unless every request is greedy or seeded")
         p_target = warp_probs(
             target_logits,
             temperature.repeat_interleave(rep.to(temperature.device)),
             top_k.repeat_interleave(rep.to(top_k.device)),
             top_p.repeat_interleave(rep.to(top_p.device)),
         )
-        res = verify(p_target, draft_probs, draft_tokens, lens, generators)
+        if not seeded:
+            res = verify(p_target, draft_probs, draft_tokens, lens, generators)
+        else:
+            res = _verify_mixed(p_target, draft_probs, draft_tokens, lens, generators, seeded, seeds, positions)
     acc = res.accepted.cpu()
     t_off = torch.cumsum(rep, 0) - rep
     counts = (acc + 1).tolist()
@@ -369,3 +420,25 @@ def spec_round(
         commit_counts=counts,
         token_rows=token_rows,
     )
+
+
+def _verify_mixed(p_target, draft_probs, draft_tokens, lens, generators, seeded, seeds, positions) -> VerifyResult:
+    """Seeded requests by :func:`verify_seeded`, the others by :func:`verify`, merged."""
+    R = lens.numel()
+    rest = [r for r in range(R) if r not in set(seeded)]
+    accepted = torch.zeros(R, dtype=torch.long, device=p_target.device)
+    next_tokens = torch.zeros(R, dtype=torch.long, device=p_target.device)
+    for group, run in ((seeded, "seeded"), (rest, "standard")):
+        if not group:
+            continue
+        t_rows, d_rows = _subset(lens, group)
+        sub_lens = lens[group]
+        if run == "seeded":
+            res = verify_seeded(p_target[t_rows], draft_tokens[d_rows], sub_lens, [seeds[r] for r in group],
+                                [positions[r] for r in group])
+        else:
+            res = verify(p_target[t_rows], draft_probs[d_rows], draft_tokens[d_rows], sub_lens,
+                         [generators[r] for r in group])
+        idx = torch.tensor(group, dtype=torch.long, device=p_target.device)
+        accepted[idx], next_tokens[idx] = res.accepted, res.next_tokens
+    return VerifyResult(accepted=accepted, next_tokens=next_tokens, draft_tokens=draft_tokens, lengths=lens.to(p_target.device))

@@ -14,6 +14,8 @@ from runtime.interface import SamplingParams
 from runtime.engine.sampler import (
     NUCLEUS_CANDIDATES,
     SamplingBatch,
+    gumbel_argmax,
+    gumbel_noise,
     params_to_tensors,
     request_generator,
     sample,
@@ -223,11 +225,12 @@ def test_sampling_state_seeding():
 def test_sampling_batch_of_sequences():
     """The engine's one conversion per step: rows in sequence order, each request's own generator."""
     params = [SamplingParams(temperature=0.0, top_k=-1), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)]
-    seqs = [SimpleNamespace(request=SimpleNamespace(sampling=p), generator=torch.Generator().manual_seed(i))
-            for i, p in enumerate(params)]
+    seqs = [SimpleNamespace(request=SimpleNamespace(sampling=p), generator=torch.Generator().manual_seed(i),
+                            num_generated=3) for i, p in enumerate(params)]
     batch = SamplingBatch.of(seqs)
     assert all(torch.equal(a, b) for a, b in zip(batch.tensors, params_to_tensors(params)))
     assert batch.generators == [s.generator for s in seqs] and not batch.greedy
+    assert batch.seeds is None and batch.positions == [3, 3] and batch.seeded_rows == []
     assert SamplingBatch.of(seqs[:1]).greedy
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(5))
     want = sample(warp_probs(logits, *params_to_tensors(params)), [torch.Generator().manual_seed(i) for i in range(2)])
@@ -334,3 +337,56 @@ def test_sample_warped_distribution_chi_square():
     ps = probs[support].double().numpy()
     stat = chisquare(counts[support].numpy(), ps / ps.sum() * n)
     assert stat.pvalue > 0.01, stat
+
+
+# ---------------------------------------------------------------- seeded (Gumbel-max) sampling
+
+
+def test_gumbel_noise_is_keyed_by_seed_position_and_token_alone():
+    g = gumbel_noise([5, 5, 6, 2**64 + 5, -1], [0, 1, 0, 0, 0], 4000)
+    assert g.shape == (5, 4000) and g.dtype == torch.float64 and bool(torch.isfinite(g).all())
+    assert torch.equal(g[3], g[0])  # seeds are taken mod 2**64, as request_generator does
+    assert torch.equal(g[4], gumbel_noise([2**64 - 1], [0], 4000)[0])
+    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    # a row never depends on the other rows, on the vocabulary size or on what came before
+    assert torch.equal(gumbel_noise([5], [1], 100)[0], g[1, :100])
+    # standard Gumbel: mean = Euler–Mascheroni γ, variance π²/6 (20,000 values)
+    assert abs(g.mean().item() - 0.5772) < 0.03 and abs(g.var().item() - math.pi**2 / 6) < 0.06
+    with pytest.raises(ValueError):
+        gumbel_noise([1], [-1], 10)
+    with pytest.raises(ValueError):
+        gumbel_noise([1, 2], [0], 10)
+
+
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_seeded_draw_follows_the_warped_distribution_chi_square(vary):
+    """5,000 seeded draws of one top-k/top-p warped row (over seeds at one position, or
+    over positions for one seed) follow it, and never leave its support."""
+    n = 5000
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3)) * 2
+    probs = warp_probs(logits, torch.tensor([0.9]), torch.tensor([20]), torch.tensor([0.95]))[0]
+    seeds = list(range(n)) if vary == "seed" else [12345] * n
+    positions = [7] * n if vary == "seed" else list(range(n))
+    toks = gumbel_argmax(probs.expand(n, -1).contiguous(), seeds, positions)
+    counts = torch.bincount(toks, minlength=300).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    pr = probs[support].double().numpy()
+    stat = chisquare(counts[support].numpy(), pr / pr.sum() * n)
+    assert stat.pvalue > 0.001, stat
+
+
+def test_seeded_rows_draw_by_gumbel_max_and_the_others_from_their_generators():
+    params = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=0.0, seed=12)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    batch = SamplingBatch(*params_to_tensors(params), gens, [11, None, 12], [4, 9, 2])
+    assert batch.seeded_rows == [0]  # a greedy row stays greedy whatever its seed
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))
+    before = gens[0].get_state()
+    toks = batch.draw(logits).tolist()
+    probs = warp_probs(logits, *params_to_tensors(params))
+    assert toks[0] == gumbel_argmax(probs[:1], [11], [4]).item()
+    assert torch.equal(gens[0].get_state(), before)  # the seeded row used no generator
+    assert toks[1] == sample(probs[1:2], [torch.Generator().manual_seed(1)]).item()
+    assert toks[2] == int(logits[2].argmax())

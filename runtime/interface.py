@@ -184,8 +184,9 @@ class TokenLogprob:
 @dataclass
 class TextDelta:
     """New completion text and the number of tokens it came from (≥ 1, may be 0
-    when a held-back partial UTF-8 character / stop-string prefix is released
-    at the end).
+    when held-back text — a stop-string prefix, the complete characters of
+    held-back tokens — is released at the end; an incomplete trailing UTF-8
+    character is never released, its tokens are counted all the same).
 
     ``logprobs`` is ``None`` unless the request asked for them; then it is aligned
     1:1 with ``token_ids`` (the tokens kept this step, EOS included). The text of

@@ -11,7 +11,14 @@ sequence, e.g. an emoji split over two byte-level BPE tokens), so each step cost
 O(k) and never emits a broken character. Decoding starts at the first completion
 token: SmolLM2's byte-level BPE decoder is context-free, so the joined deltas are
 exactly ``tokenizer.decode(kept_ids, skip_special_tokens=True)`` (cut at a stop
-string). Special tokens other than EOS produce no text.
+string), except at the very end: **an incomplete trailing UTF-8 character is dropped,
+never rendered as U+FFFD**, whatever ended the request (``max_tokens`` inside an emoji,
+EOS right after half a character, :meth:`Detokenizer.finish`). The text is then the
+longest complete-character prefix of the full decode. Its tokens still count
+(``num_tokens_kept``, ``token_ids_kept``; their logprobs keep the raw bytes, see
+:func:`token_bytes`). A U+FFFD the model generated as a complete character (bytes
+``EF BF BD``), or invalid bytes followed by more text, is kept as ``decode`` renders it.
+Special tokens other than EOS produce no text.
 
 Conventions (OpenAI chat-completions, as served by vLLM):
 
@@ -160,8 +167,9 @@ class Detokenizer:
 
     def finish(self, reason: FinishReason = FinishReason.LENGTH) -> StepResult:
         """End the request from outside (context limit, abort, error) and release
-        all held-back text: a pending stop-string prefix, and a trailing incomplete
-        UTF-8 sequence rendered as ``tokenizer.decode`` renders it (U+FFFD).
+        all held-back text: a pending stop-string prefix, and the complete characters
+        of tokens the stream still holds. An incomplete trailing UTF-8 character is
+        dropped (never U+FFFD); its tokens were already counted.
 
         Idempotent: after the request finished, returns an empty result carrying the
         original finish reason.
@@ -182,14 +190,16 @@ class Detokenizer:
         self._pending = []
 
     def _decode_pending(self) -> str:
-        """Text of tokens the stream still holds (an incomplete byte sequence).
+        """Text of tokens the stream still holds, at the end of the request, without
+        an incomplete trailing character (:func:`drop_incomplete_tail`).
 
         They start at a character boundary (everything before was released), so
         decoding them alone equals their share of the full decode.
         """
         if not self._pending:
             return ""
-        return self._tok.decode(self._pending, skip_special_tokens=True)
+        text = self._tok.decode(self._pending, skip_special_tokens=True)
+        return drop_incomplete_tail(text, self._tok, self._pending)
 
     def _find_stop(self, text: str, start: int) -> int | None:
         """Index of the earliest stop-string occurrence in ``text[start:]``, or None."""
@@ -257,6 +267,59 @@ def token_bytes(tokenizer, token_ids: Sequence[int]) -> list[bytes]:
         else:
             out.append(tok.decode([tid], skip_special_tokens=False).encode())
     return out
+
+
+def text_bytes(tokenizer, token_ids: Sequence[int]) -> bytes:
+    """The bytes ``tokenizer.decode(token_ids, skip_special_tokens=True)`` turns into text:
+    :func:`token_bytes` of the non-special tokens, joined (exact for byte-level BPE)."""
+    tok: Tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return b"".join(token_bytes(tok, [i for i in map(int, token_ids) if i not in special]))
+
+
+# The allowed second byte after the lead bytes that restrict it (Unicode Table 3-7);
+# other lead bytes take any continuation byte 80..BF.
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+    """How many trailing bytes of ``data`` (0-3) start a UTF-8 character without finishing it.
+
+    Nonzero only when the last bytes are a proper prefix of a well-formed sequence
+    (Unicode Table 3-7), e.g. 2 for ``b"\\xf0\\x9f"`` (half an emoji). 0 when ``data``
+    ends with a complete character, with ASCII, or with bytes no continuation could
+    make valid (those are invalid, not incomplete).
+    """
+    for n in range(1, min(3, len(data)) + 1):
+        lead = data[-n]
+        if lead < 0x80:
+            return 0
+        if lead < 0xC0:  # continuation byte: the lead is further back
+            continue
+        need = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        lo, hi = _SECOND_BYTE.get(lead, (0x80, 0xBF))
+        return n if n < need and (n == 1 or lo <= data[-n + 1] <= hi) else 0
+    return 0
+
+
+def drop_incomplete_tail(text: str, tokenizer, token_ids: Sequence[int]) -> str:
+    """``text`` without the U+FFFD that an incomplete trailing UTF-8 character renders as.
+
+    Args:
+        text: a decode that ends with the decode of ``token_ids``
+            (``skip_special_tokens=True``), e.g. a whole reply.
+        tokenizer: a ``transformers`` fast tokenizer or a ``tokenizers.Tokenizer``.
+        token_ids: the last generated tokens (enough for 4 bytes of text; more are fine).
+
+    Returns:
+        ``text[:-1]`` when the tokens' bytes (:func:`text_bytes`) end in an incomplete
+        character (which a lossy UTF-8 decode renders as exactly one U+FFFD), else ``text``
+        — a U+FFFD the model generated as a complete character is kept. Only byte-level
+        BPE gives a token's partial bytes; with other decoders the U+FFFD stays.
+    """
+    if text.endswith("\ufffd") and incomplete_utf8_tail(text_bytes(tokenizer, token_ids)):
+        return text[:-1]
+    return text
 
 
 class GatewayTokenization:

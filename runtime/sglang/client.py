@@ -88,7 +88,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import httpx
 
-from runtime.engine.detokenizer import GatewayTokenization
+from runtime.engine.detokenizer import GatewayTokenization, drop_incomplete_tail
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -275,17 +275,28 @@ class StreamAssembler:
     """Turns SGLang stream chunks into text deltas (cumulative or incremental chunks),
     holding back text that could still become a stop string.
 
+    SGLang's detokenizer holds back a trailing U+FFFD while streaming but renders an
+    incomplete last character as U+FFFD in the final chunk (a ``max_tokens`` cut inside
+    an emoji). As in the embedded engine (:mod:`runtime.engine.detokenizer`), that
+    U+FFFD is dropped when the bytes of the last ``output_ids`` end in an incomplete
+    UTF-8 character (needs ``tokenizer`` and ``output_ids``); a complete U+FFFD is kept.
+
     Args:
         stop: the request's stop strings.
         incremental: chunk mode; ``None`` → detect (the first chunk reads the same in
             both modes; a later one is cumulative when ``len(output_ids) ==
             completion_tokens``, incremental when it equals the new-token count, and
             otherwise cumulative iff its text extends the text so far).
+        tokenizer: the model's tokenizer, for the bytes of the last tokens (``None``:
+            the final text is released as SGLang sent it).
     """
 
-    def __init__(self, stop: Sequence[str] = (), incremental: bool | None = None) -> None:
+    TAIL_IDS = 8  # last tokens whose bytes decide whether the final character is incomplete
+
+    def __init__(self, stop: Sequence[str] = (), incremental: bool | None = None, tokenizer=None) -> None:
         self.stop = tuple(s for s in stop if s)
         self.incremental = incremental
+        self.tokenizer = tokenizer
         self.text = ""
         self.ids: list[int] = []
         self.completion_tokens = 0
@@ -355,7 +366,8 @@ class StreamAssembler:
         With ``final`` everything left is released, cut at the first stop string or
         ``matched`` (the stop string SGLang reports in ``finish_reason.matched``). When
         ``matched`` is no longer in the text, SGLang trimmed it but kept the part it had
-        already streamed: that trailing prefix of ``matched`` is dropped too.
+        already streamed: that trailing prefix of ``matched`` is dropped too; without a
+        stop, so is the U+FFFD of an incomplete last character (see the class docstring).
         """
         end = len(self.text)
         cut = self._first_stop(matched if final else None)
@@ -365,6 +377,8 @@ class StreamAssembler:
             end -= self._holdback(self.stop)
         elif matched:
             end -= self._holdback((matched,))
+        elif self.tokenizer is not None and self.ids:
+            end = len(drop_incomplete_tail(self.text, self.tokenizer, self.ids[-self.TAIL_IDS:]))
         end = max(end, self.sent_chars)
         text = self.text[self.sent_chars:end]
         if not text and not final:
@@ -622,7 +636,7 @@ class SGLangBackend(GatewayTokenization):
             yield exc.event
             return
         timings.started = time.monotonic()
-        asm = StreamAssembler(request.sampling.stop, self.config.incremental_streaming_output)
+        asm = StreamAssembler(request.sampling.stop, self.config.incremental_streaming_output, self._tokenizer)
         server_done = False
         yielded = False
         prompt_tokens = prompt_len

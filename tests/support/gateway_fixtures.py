@@ -10,6 +10,7 @@ its lifespan running, an ``httpx.AsyncClient`` over ``ASGITransport`` and a key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -113,6 +114,24 @@ def http(url: str, key: str, method: str = "POST", path: str = "/v1/chat/complet
                 return await c.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
 
     return asyncio.run(go()), backend
+
+
+@contextlib.asynccontextmanager
+async def real_app(settings, target_fp32, tokenizer, **cfg):
+    """An ``httpx.AsyncClient`` on the app over the real engine, in-process (fp32 model,
+    ``EngineConfig`` overrides in ``cfg``), lifespan running."""
+    from runtime.engine.async_engine import AsyncEngine
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    engine = AsyncEngine(EngineConfig(dtype="float32", max_batch_size=4, max_context=512, **cfg),
+                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
+    application = create_app(settings, engine)
+    async with application.router.lifespan_context(application):
+        await application.state.backend_start
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t",
+                                     timeout=120) as c:
+            yield c
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

@@ -4,7 +4,6 @@ and stream == non-stream at T=0 on the real engine (in-process)."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import httpx
@@ -16,7 +15,7 @@ from gateway.openai.logprobs import LogprobsBuilder
 from gateway.main import create_app
 from runtime.interface import BackendInfo, TokenLogprob
 from tests.support.fakes import FakeBackend
-from tests.support.gateway_fixtures import MODEL, chat, parse_sse
+from tests.support.gateway_fixtures import MODEL, chat, parse_sse, real_app
 
 CHAT, LEGACY = "/v1/chat/completions", "/v1/completions"
 ENTRY_KEYS = {"token", "logprob", "bytes", "top_logprobs"}
@@ -216,22 +215,6 @@ def _invalid(raw: bytes) -> bool:
 
 
 # ------------------------------------------------------------------ the real engine, in-process
-
-@contextlib.asynccontextmanager
-async def real_app(settings, target_fp32, tokenizer, **cfg):
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
-
-    engine = AsyncEngine(EngineConfig(dtype="float32", max_batch_size=4, max_context=512, **cfg),
-                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
-    application = create_app(settings, engine)
-    async with application.router.lifespan_context(application):
-        await application.state.backend_start
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t",
-                                     timeout=120) as c:
-            yield c
-
 
 TOL = 1e-4  # the second request reuses the first one's prompt KV (prefix cache): other shapes, ~1e-6 apart
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.detokenizer import Detokenizer, StepResult
+from runtime.engine.detokenizer import Detokenizer, StepResult, incomplete_utf8_tail, token_bytes
 from runtime.interface import FinishReason, SamplingParams
 
 EOS = 2
@@ -174,13 +174,75 @@ def test_max_tokens_in_middle_of_chunk(tokenizer):
     assert det.num_tokens == 5
 
 
-def test_max_tokens_cuts_inside_a_character(tokenizer):
-    ids = tokenizer.encode("x😀")
-    split = next(i for i in range(1, len(ids)) if full(tokenizer, ids[:i]).endswith("\ufffd"))
-    det = make(tokenizer, max_tokens=split)
-    r = det.append(ids)
-    # Ended mid-character: released as tokenizer.decode renders it (U+FFFD).
-    assert r.text == full(tokenizer, ids[:split]) and r.finish_reason is FinishReason.LENGTH
+def complete_prefix(tokenizer, text: str, ids: list[int]) -> str:
+    """The longest complete-character prefix of ``text`` covered by the bytes of ``ids``
+    (Python's own UTF-8 codec drops the incomplete tail)."""
+    raw = b"".join(token_bytes(tokenizer, ids))
+    assert text.encode().startswith(raw)
+    return raw.decode("utf-8", errors="ignore")
+
+
+CUT_TEXTS = ["👋🎉 你好世界", "x😀", "🇫🇷👍🏽 ok", "日本語 한국어 é"]
+
+
+@pytest.mark.parametrize("text", CUT_TEXTS)
+def test_cut_at_every_token_drops_the_incomplete_character(tokenizer, text):
+    """max_tokens, EOS and finish() at every prefix length: no U+FFFD, the longest
+    complete-character prefix, and every generated token still counted."""
+    ids = tokenizer.encode(text)
+    cuts_inside = 0
+    for n in range(1, len(ids) + 1):
+        want = complete_prefix(tokenizer, text, ids[:n])
+        cuts_inside += "\ufffd" in full(tokenizer, ids[:n])
+        for chunk in (1, 3, len(ids)):  # max_tokens = n, fed in rounds of `chunk` tokens
+            results, got = feed(make(tokenizer, max_tokens=n), ids, chunk)
+            assert got == want and "\ufffd" not in got
+            assert results[-1].finish_reason is FinishReason.LENGTH
+            assert sum(r.num_tokens_kept for r in results) == n
+            assert [t for r in results for t in r.token_ids_kept] == ids[:n]
+        det = make(tokenizer)  # EOS right after the prefix
+        r = det.append(ids[:n] + [EOS])
+        assert (r.text, r.num_tokens_kept, r.finish_reason) == (want, n + 1, FinishReason.STOP)
+        det = make(tokenizer)  # ended from outside (context limit)
+        r1 = det.append(ids[:n])
+        assert r1.text + det.finish(FinishReason.LENGTH).text == want and r1.num_tokens_kept == n
+    assert cuts_inside >= 2  # the strings really get cut inside characters
+
+
+def test_model_generated_replacement_character_is_kept(tokenizer):
+    ids = tokenizer.encode("a\ufffd")  # U+FFFD as a complete character: bytes EF BF BD
+    assert b"".join(token_bytes(tokenizer, ids)) == "a\ufffd".encode()
+    for n in range(1, len(ids) + 1):
+        r = make(tokenizer, max_tokens=n).append(ids)
+        assert r.text == complete_prefix(tokenizer, "a\ufffd", ids[:n])
+    assert make(tokenizer).append(ids + [EOS]).text == "a\ufffd"
+    # invalid bytes followed by more text stay as decode renders them
+    half = tokenizer.encode("😀")[:1]
+    a = tokenizer.encode("a")
+    assert make(tokenizer, max_tokens=2).append(half + a).text == full(tokenizer, half + a) == "\ufffda"
+
+
+def _utf8_proper_prefixes() -> set[bytes]:
+    out = set()
+    for cp in range(0x80, 0x110000):
+        if not 0xD800 <= cp <= 0xDFFF:
+            enc = chr(cp).encode()
+            out.update(enc[:k] for k in range(1, len(enc)))
+    return out
+
+
+def test_incomplete_utf8_tail_matches_the_unicode_definition():
+    prefixes = _utf8_proper_prefixes()
+
+    def want(data: bytes) -> int:
+        return next((n for n in (1, 2, 3) if len(data) >= n and data[-n:] in prefixes), 0)
+
+    cases = [bytes([a]) for a in range(256)] + [bytes([a, b]) for a in range(256) for b in range(256)]
+    cases += [b"", b"a\xf0\x9f\x91", b"\xf0\x9f\x91\x8b", b"\xef\xbf\xbd", b"\xed\x9f\xbf", b"\xed\xa0",
+              b"\xf4\x8f\xbf", b"\xf4\x90\x80", b"\xe0\x9f", b"\x80\x80\x80"]
+    assert [incomplete_utf8_tail(c) for c in cases] == [want(c) for c in cases]
+    named = (b"\xf0\x9f", b"\xe4\xbd", b"\xc3", b"\xed\xa0", b"\xef\xbf\xbd")  # half 👋, half 你, half é, surrogate, U+FFFD
+    assert [incomplete_utf8_tail(c) for c in named] == [2, 2, 1, 0, 0]
 
 
 def test_stop_and_eos_take_precedence_over_length(tokenizer):

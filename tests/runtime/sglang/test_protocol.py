@@ -159,3 +159,36 @@ def test_assembler_never_releases_a_stop_string():
     text = "".join(d.text for d in deltas) + (final.text if final else "")
     assert text == "abc "
     assert deltas[0].text == "abc "  # " E" → " " released, "E" held back
+
+
+def _sglang_cut(tokenizer, ids: list[int], final_ids: list[int], tokenizer_arg) -> tuple[str, int]:
+    """Cumulative chunks as SGLang 0.5.23 streams them: a trailing U+FFFD is held back
+    while streaming, the final chunk has the whole decode (an incomplete last character
+    rendered as U+FFFD). Returns the assembled text and token count."""
+    asm = StreamAssembler(incremental=False, tokenizer=tokenizer_arg)
+    deltas = []
+    for k in range(1, len(ids)):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        deltas += _run(asm, [(text[:-1] if text.endswith("\ufffd") else text, ids[:k], k)])
+    asm.feed(tokenizer.decode(final_ids, skip_special_tokens=True), final_ids, len(final_ids))
+    last = asm.release(final=True)
+    deltas += [last] if last is not None else []
+    return "".join(d.text for d in deltas), sum(d.num_tokens for d in deltas)
+
+
+def test_assembler_drops_an_incomplete_last_character_like_the_engine(tokenizer):
+    from runtime.engine.detokenizer import Detokenizer
+
+    text = "👋🎉 你好世界"
+    ids = tokenizer.encode(text)
+    for n in range(1, len(ids) + 1):
+        det = Detokenizer(tokenizer, [1], SamplingParams(), 2, n)
+        want = det.append(ids).text  # the embedded engine's reply at max_tokens = n
+        assert "\ufffd" not in want
+        assert _sglang_cut(tokenizer, ids[:n], ids[:n], tokenizer) == (want, n)  # finish "length"
+        assert _sglang_cut(tokenizer, ids[:n], ids[:n] + [2], tokenizer) == (want, n + 1)  # EOS
+    # without a tokenizer the final text stays as SGLang sent it
+    assert _sglang_cut(tokenizer, ids[:2], ids[:2], None)[0] == "\ufffd"
+    # a U+FFFD the model generated as a complete character is kept
+    ids = tokenizer.encode("a\ufffd")
+    assert _sglang_cut(tokenizer, ids, ids, tokenizer) == ("a\ufffd", len(ids))

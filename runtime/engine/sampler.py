@@ -92,7 +92,7 @@ def _row_keys(parts: torch.Tensor, positions: torch.Tensor, stream: int) -> torc
 
 
 def gumbel_noise(
-    seeds: Sequence[int], positions: Sequence[int], vocab: int, device: str | torch.device = "cpu"
+    seeds: Sequence[int], positions: Sequence[int], vocab: int | torch.Tensor, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
     """Standard Gumbel noise ``g[i, v] = −log(−log u)`` keyed by (seed_i, position_i, v) alone.
 
@@ -105,11 +105,12 @@ def gumbel_noise(
             :func:`request_generator` does).
         positions: per row, the output position (0 = the first completion token),
             ``0 ≤ position < 2**31``.
-        vocab: V.
+        vocab: V (the noise of token ids 0..V−1), or an int64 tensor of token ids (their
+            noise, e.g. a drafter's sub-vocabulary: the same values as at those columns).
         device: where to compute.
 
     Returns:
-        float64 ``[len(seeds), vocab]``.
+        float64 ``[len(seeds), V or len(vocab)]``.
 
     Raises:
         ValueError: a position outside ``[0, 2**31)`` or ``len(seeds) != len(positions)``.
@@ -121,7 +122,10 @@ def gumbel_noise(
     u64 = [int(x) & _SEED_MASK for x in seeds]
     parts = torch.tensor([[x & _M31, (x >> 31) & _M31, x >> 62] for x in u64], dtype=torch.int64, device=device)
     pos = torch.tensor([int(q) for q in positions], dtype=torch.int64, device=device)
-    token = _token_keys(vocab, str(device))
+    if isinstance(vocab, torch.Tensor):
+        token = _mix31(vocab.to(device=device, dtype=torch.int64) ^ 0x1B873593)[None, :]
+    else:
+        token = _token_keys(vocab, str(device))
     hi = _mix31(_row_keys(parts.view(-1, 3), pos, 0x2545F491) ^ token)  # [N, V], 31 bits
     lo = _mix31(_row_keys(parts.view(-1, 3), pos, 0x68E31DA4) ^ token)
     hi <<= 22
@@ -130,13 +134,16 @@ def gumbel_noise(
     return u.log_().neg_().log_().neg_()  # −log(−log u)
 
 
-def gumbel_argmax(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+def gumbel_argmax(
+    probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """The seeded draw: ``argmax_v(log probs[i, v] + g(seed_i, position_i, v))`` per row
     (lowest index on ties); an exact sample of each row of ``probs`` [N, V] (fp32, rows of
-    :func:`warp_probs`); zero-probability tokens are never drawn. Returns int64 [N]."""
+    :func:`warp_probs`); zero-probability tokens are never drawn. ``token_ids``: the token
+    id of each column when ``probs`` covers a sub-vocabulary. Returns int64 [N] column indices."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    noise = gumbel_noise(seeds, positions, probs.shape[-1], probs.device)
+    noise = gumbel_noise(seeds, positions, probs.shape[-1] if token_ids is None else token_ids, probs.device)
     return (probs.double().log() + noise).argmax(-1)
 
 
@@ -232,15 +239,21 @@ class SamplingBatch:
         return bool((self.temperature <= 0).all())
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits`` ``[N, V]`` from :func:`warp_probs`: seeded rows by
-        :func:`gumbel_argmax` at their position, the others by :func:`sample`."""
-        probs = warp_probs(logits, *self.tensors)
+        """One token per row of ``logits`` ``[N, V]``: :meth:`sample_rows` of :func:`warp_probs`."""
+        return self.sample_rows(warp_probs(logits, *self.tensors))
+
+    def sample_rows(self, probs: torch.Tensor, offset: int = 0, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One column index per row of ``probs`` ``[N, V']``: seeded rows by :func:`gumbel_argmax`
+        at output position ``positions[i] + offset`` (a drafter's slot k drafts the token of
+        position + k with the noise the target will use there), the others by :func:`sample`
+        from their generators. ``token_ids``: the token id of each column (a sub-vocabulary)."""
         seeded = self.seeded_rows
         if not seeded:
             return sample(probs, self.generators)
         tokens = probs.argmax(-1)
         rows = torch.tensor(seeded, dtype=torch.long)
-        tokens[rows] = gumbel_argmax(probs[rows], [self.seeds[i] for i in seeded], [self.positions[i] for i in seeded])
+        tokens[rows] = gumbel_argmax(probs[rows], [self.seeds[i] for i in seeded],
+                                     [self.positions[i] + offset for i in seeded], token_ids)
         others = [i for i in range(len(self.generators)) if i not in set(seeded)]
         if others:
             tokens[others] = sample(probs[others], [self.generators[i] for i in others])

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.kv_cache import KVCache
-from runtime.engine.sampler import SamplingBatch, sample, uniform, warp_probs
+from runtime.engine.sampler import SamplingBatch, uniform, warp_probs
 from runtime.kernels.dispatch import kernel_path, markov_sample
 from runtime.models.llama import (
     DecoderLayer,
@@ -212,10 +212,7 @@ def sample_block(
     base_logits: torch.Tensor,
     hidden: torch.Tensor,
     anchors: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: Sequence[torch.Generator],
+    sampling: SamplingBatch,
     sts_temperatures: torch.Tensor | None = None,
 ) -> DraftSample:
     """Draw a block left to right through the Markov head (paper §3.1).
@@ -223,7 +220,8 @@ def sample_block(
     For k = 1..γ: ``p_d,k = warp_probs(U_k + B(x_{k−1}, h_k))`` with the row's
     temperature / top-k / top-p (:func:`runtime.engine.sampler.warp_probs`; temperature 0 →
     one-hot argmax), ``x_k = sample(p_d,k)`` from the row's generator (one draw per
-    slot, none for one-hot rows); x_0 = the anchor. Confidence logits use
+    slot, none for one-hot rows) — or, for a seeded row, the Gumbel-max draw with the noise
+    the target uses at that output position (:meth:`SamplingBatch.sample_rows`); x_0 = the anchor. Confidence logits use
     ``[h_k; W1[x_{k−1}]]`` (h_k alone when ``markov is None``).
 
     Args:
@@ -232,17 +230,17 @@ def sample_block(
         base_logits: U, ``[B, γ, V]`` (any float dtype).
         hidden: h, ``[B, γ, d]``.
         anchors: int64 ``[B]`` x_0.
-        temperature, top_k, top_p: per-row sampling parameters ``[B]`` (fp32, int64,
-            fp32), exactly as for the target's rows.
-        generators: B per-request generators.
+        sampling: the rows' sampling parameters and randomness, exactly as for the target's rows.
         sts_temperatures: fp32 ``[≥γ]`` STS temperatures or ``None``.
 
     Returns:
         :class:`DraftSample`.
     """
     B, gamma, _ = base_logits.shape
-    if _fused_markov_ok(markov, base_logits, top_k, top_p):
-        return _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temperature, generators, sts_temperatures)
+    temperature, top_k, top_p = sampling.tensors
+    if _fused_markov_ok(markov, base_logits, top_k, top_p) and not sampling.seeded_rows:
+        return _sample_block_fused(markov, confidence, base_logits, hidden, anchors, temperature, sampling.generators,
+                                   sts_temperatures)
     prev = anchors.long()
     tokens = []
     probs = torch.empty(base_logits.shape, dtype=torch.float32, device=base_logits.device)
@@ -256,7 +254,7 @@ def sample_block(
             probs[:, k].scatter_(-1, prev[:, None], 1.0)
         else:
             probs[:, k] = warp_probs(logits_k, temperature, top_k, top_p)
-            prev = sample(probs[:, k], generators)
+            prev = sampling.sample_rows(probs[:, k], offset=k)
         tokens.append(prev)
     tok = torch.stack(tokens, dim=1)
     prev_all = torch.cat([anchors.long()[:, None], tok[:, :-1]], dim=1)  # x_0..x_{γ−1}
@@ -484,5 +482,5 @@ class DSparkDrafter(nn.Module):
 
     def sample_block(self, block: DraftBlock, anchors: torch.Tensor, sampling: SamplingBatch) -> DraftSample:
         """:func:`sample_block` with this drafter's heads and STS temperatures (``sampling``: one row per anchor)."""
-        return sample_block(self.markov, self.confidence, block.base_logits, block.hidden, anchors,
-                            *sampling.tensors, sampling.generators, self.sts_tensor())
+        return sample_block(self.markov, self.confidence, block.base_logits, block.hidden, anchors, sampling,
+                            self.sts_tensor())

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.engine.sampler import SamplingBatch, sample, warp_probs
+from runtime.engine.sampler import SamplingBatch, warp_probs
 from runtime.kernels.cpu import gguf_cpu
 from runtime.models.gguf_weights import GgufLinear, kernel_max_rows
 from runtime.speculation.confidence_head import calibrated_confidence
@@ -295,7 +295,7 @@ class FastDrafter:
                 idx = logits.argmax(-1)
             else:
                 probs[:, k] = warp_probs(logits, *sampling.tensors)
-                idx = sample(probs[:, k], sampling.generators)
+                idx = sampling.sample_rows(probs[:, k], offset=k, token_ids=self.vocab)
             prev = self.vocab[idx]
             tokens[:, k] = prev
         emb = torch.stack(embs, dim=1) if mk is not None else None  # W1[x_0..x_{γ−1}]

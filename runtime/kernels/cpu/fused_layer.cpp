@@ -1,9 +1,9 @@
-// The Llama decoder layers for a few tokens, in one call (torch.classes.sparkgate.FusedModel).
+// The Llama decoder layers for the rows of a forward, in one call (torch.classes.sparkgate.FusedModel).
 //
 // A batch-1 decode step of the 135M target is 30 layers x ~45 small torch ops; on a 2-core
 // CPU their dispatch costs more than the layers' arithmetic. FusedModel.forward_ runs every
-// layer for the M rows of a ragged forward (decode anchors, verification drafts, small
-// prefill chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp). Per layer:
+// layer for the M rows of a ragged forward (decode anchors, verification drafts, prefill
+// chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp). Per layer:
 //
 //   h   = rmsnorm(x) * ln1                          -> bf16
 //   qkv = h @ Wqkv^T                                -> fp32; RoPE (rotate-half) on q and k
@@ -18,8 +18,12 @@
 // of a block sees the whole block) and context_ writes the drafter's context K/V
 // (runtime/speculation/fast_drafter.py); the drafter's layers are a second FusedModel with Q8_0 tiles.
 //
-// x (fp32 [M, d], the residual stream) is updated in place. Rows beyond `kernel_max_rows`
-// use the dense bf16 weights (at::linear) instead of the tiles. Same math as
+// x (fp32 [M, d], the residual stream) is updated in place. Every row's arithmetic is its
+// own (projections: gguf_cpu.cpp's fixed summation order; norms, RoPE, attention, SwiGLU:
+// per-row loops, no split over a row's reduction), so a row's result does not depend on the
+// other rows of the call (tests/runtime/kernels/test_row_invariance.py). With
+// `kernel_max_rows` >= 0 (the drafter's FusedModel) rows beyond it use the dense bf16 weights
+// (at::linear) instead of the tiles, which gives up that property; the target passes -1. Same math as
 // runtime/models/llama.py's eager layer; the roundings differ only where eager rounds an
 // intermediate to bf16 (projection outputs, RoPE) and this op keeps fp32
 // (tests/runtime/kernels/test_gguf_kernel.py compares both with an exact fp32 reference).
@@ -86,11 +90,12 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// h (bf16 [M, K]) @ W^T -> fp32 [M, N]: the GGUF tiles for few rows, the dense bf16 weight
-// beyond kernel_max_rows.
+// h (bf16 [M, K]) @ W^T -> fp32 [M, N]: the GGUF tiles (every row count when kernel_max_rows
+// < 0), else the dense bf16 weight beyond kernel_max_rows.
 at::Tensor project(const at::Tensor& h, const at::Tensor& tiles, int64_t qtype, const at::Tensor& dense,
                    int64_t kernel_max_rows) {
-  if (h.size(0) <= kernel_max_rows) return gguf_linear(h, tiles, qtype, dense.size(0), dense.size(1), at::kFloat);
+  if (kernel_max_rows < 0 || h.size(0) <= kernel_max_rows)
+    return gguf_linear(h, tiles, qtype, dense.size(0), dense.size(1), at::kFloat);
   return at::linear(h, dense).to(at::kFloat);
 }
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.config import AMX_FLAGS, KERNEL_FLAGS, cpu_flags
+from runtime.config import AMX_FLAGS, KERNEL_FLAGS
 from runtime.kernels.cpu import gguf_cpu
 from runtime.kernels.cpu.gguf_cpu import Q4_1, Q8_0, dequantize
 from runtime.models.gguf_weights import GgufLinear
@@ -32,15 +32,15 @@ MAX_M = 64
 
 @pytest.fixture(params=["avx512", "amx"])
 def kernel_path(request):
-    """The kernel path under test, forced for every M: ``avx512`` (VDPBF16PS; AMX off) or
-    ``amx`` (the tile unit for every row count, 1 included). Restores the served setting."""
+    """The kernel path under test: ``avx512`` (VDPBF16PS, AMX off) or ``amx`` (the tile
+    unit, for every row count). Restores the served setting."""
     require_cpu_kernel("the gguf CPU kernel", KERNEL_FLAGS, gguf_cpu.kernel_available)
     if request.param == "amx":
         require_cpu_kernel("the gguf kernel's AMX path", AMX_FLAGS, gguf_cpu.kernel_available)
-    served = gguf_cpu.AMX_MIN_ROWS if AMX_FLAGS <= cpu_flags() else 0
-    torch.ops.sparkgate.set_amx_min_rows(1 if request.param == "amx" else 0)
+    served = torch.ops.sparkgate.amx_enabled()
+    torch.ops.sparkgate.set_amx(request.param == "amx")
     yield request.param
-    torch.ops.sparkgate.set_amx_min_rows(served)
+    torch.ops.sparkgate.set_amx(served)
 
 
 def differing_rows(y: torch.Tensor, ref: torch.Tensor) -> list[int]:

@@ -24,8 +24,10 @@ prompt is prefilled, ``--threads`` kernel threads) measures
 
     PYTHONPATH=. .venv/bin/python bench/row_invariance_bench.py --baseline /tmp/main [--repeats 3]
 
-Prints JSON: per tree the median over repeats of each figure and every repeat's value, and
-``cost_pct`` (positive = this tree slower) per figure. Without ``--baseline`` only this tree.
+Prints JSON: per tree (``baseline``, ``this``) the median over repeats of each figure and
+every repeat's value, and ``cost_pct`` per figure: how much more time this tree takes per
+token, to the first token or per forward (positive = slower). Without ``--baseline`` only
+this tree.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -151,7 +154,7 @@ def main() -> None:
         for name, tree in trees.items():
             runs[name].append(run_child(tree, a))
     out: dict = {"threads": a.threads, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.decode_tokens,
-                 "repeats": a.repeats, "trees": {k: str(v) for k, v in trees.items()}}
+                 "repeats": a.repeats, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     for name, rs in runs.items():
         out[name] = {f: round(statistics.median(r[f] for r in rs), 2) for f in FIGURES}
         out[name]["runs"] = {f: [round(r[f], 2) for r in rs] for f in FIGURES}

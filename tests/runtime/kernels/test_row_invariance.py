@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.config import AMX_FLAGS, KERNEL_FLAGS
+from runtime.config import AMX_FLAGS
 from runtime.kernels.cpu import gguf_cpu
 from runtime.kernels.cpu.gguf_cpu import Q4_1, Q8_0, dequantize
 from runtime.models.gguf_weights import GgufLinear
@@ -31,10 +31,9 @@ MAX_M = 64
 
 
 @pytest.fixture(params=["avx512", "amx"])
-def kernel_path(request):
+def kernel_path(request, gguf_kernel):
     """The kernel path under test: ``avx512`` (VDPBF16PS, AMX off) or ``amx`` (the tile
     unit, for every row count). Restores the served setting."""
-    require_cpu_kernel("the gguf CPU kernel", KERNEL_FLAGS, gguf_cpu.kernel_available)
     if request.param == "amx":
         require_cpu_kernel("the gguf kernel's AMX path", AMX_FLAGS, gguf_cpu.kernel_available)
     served = torch.ops.sparkgate.amx_enabled()

@@ -9,11 +9,15 @@ batch-1 step then reads ~98 MB of weights instead of 310 MB.
 :func:`attach_gguf_` swaps a bf16 :class:`~runtime.models.llama.LlamaModel`'s
 projections for :class:`GgufLinear` modules, gives it a Q8_0 LM head and embedding and the
 file's F32 norms (all exact), and switches on the fused C++ decoder stack
-(:func:`fused_forward_`) for forwards of up to :data:`FUSED_MAX_ROWS` tokens. Each
-projection keeps the bf16 weight it replaces for forwards of more than
-:func:`kernel_max_rows` rows (prefill chunks), where oneDNN's bf16 GEMM beats unpacking the
-blocks. The rotary tables, the bf16 KV cache and the fp32 residual stream are the bf16
-model's.
+(:func:`fused_forward_`) for every forward. The rotary tables, the bf16 KV cache and the
+fp32 residual stream are the bf16 model's.
+
+Row invariance: every forward, of 1 row or 512, runs the same per-row arithmetic (the
+tile kernel's fixed summation order, per-row attention), so a token's logits and K/V do not
+depend on the verification width, prefill chunking, the prefix cache or the other sequences
+in the forward (``tests/runtime/kernels/test_row_invariance.py``, docs/benchmarks.md "Row
+invariance"). Each projection keeps the bf16 weight it replaces only for machines without
+the kernel.
 
 Row order: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its
 RoPE layout; :func:`unpermute_rows` undoes it exactly as transformers' GGUF loader does,
@@ -33,17 +37,11 @@ from torch import nn
 from runtime.config import AMX_FLAGS, cpu_flags
 from runtime.kernels.cpu import gguf_cpu
 
-#: Rows (tokens) up to which a forward multiplies by the GGUF blocks; more → the bf16
-#: copy. With AMX the kernel is faster than a dense bf16 GEMM up to ~64 rows; with only
-#: AVX512-BF16 it pays one instruction per row per 32 weights and loses beyond ~12
-#: (measured in docs/benchmarks.md, "GGUF-native weights").
+#: Rows up to which the fused drafter's Q8_0 projections (``runtime/speculation/fast_drafter.py``,
+#: a quantisation of its bf16 weights, so no more exact than them) use the tile kernel; more
+#: → its bf16 weights. The target's projections take the tiles for every row count.
 KERNEL_MAX_ROWS_AMX = 64
 KERNEL_MAX_ROWS = 12
-
-#: Forwards of up to this many tokens run all decoder layers in one C++ call
-#: (``torch.classes.sparkgate.FusedModel``); longer ones (prefill chunks) run the eager
-#: layers, whose attention (ATen's flash SDPA) is blocked for many queries.
-FUSED_MAX_ROWS = 64
 
 
 def kernel_max_rows() -> int:
@@ -69,13 +67,15 @@ class GgufLinear(nn.Module):
     uint8 ``[out, in/32 · block bytes]`` as stored) in the kernel's layout
     (:func:`runtime.kernels.cpu.gguf_cpu.repack`; same bytes, other order).
     ``dense`` (not a buffer, not copied): the bf16 ``[out, in]`` weight of the same
-    tensor, used above :attr:`max_rows` rows (default :func:`kernel_max_rows`) and when
-    the kernel is unavailable.
+    tensor, used where the kernel is unavailable and above ``max_rows`` rows.
     ``out_dtype``: the output dtype (``None`` → the input's).
+    ``max_rows``: ``None`` (default) → the kernel for every row count, so row r of an
+    M-row call is the 1-row call bit for bit; an int → the dense weight above it (the fused
+    drafter's Q8_0 copies of its bf16 weights).
     """
 
     def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
-                 dense: torch.Tensor, out_dtype: torch.dtype | None = None) -> None:
+                 dense: torch.Tensor, out_dtype: torch.dtype | None = None, max_rows: int | None = None) -> None:
         super().__init__()
         if blocks.shape != (out_features, in_features // gguf_cpu.QK * gguf_cpu.BLOCK_BYTES[qtype]):
             raise ValueError(f"blocks {tuple(blocks.shape)} do not hold a [{out_features}, {in_features}] GGML type {qtype}")
@@ -83,12 +83,12 @@ class GgufLinear(nn.Module):
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
         self.__dict__["dense"] = dense
         self.out_dtype = out_dtype
-        self.max_rows = kernel_max_rows()
+        self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         out_dtype = self.out_dtype or x.dtype
-        if x2.shape[0] <= self.max_rows and gguf_cpu.kernel_available():
+        if (self.max_rows is None or x2.shape[0] <= self.max_rows) and gguf_cpu.kernel_available():
             y = gguf_cpu.gguf_linear(x2, self.tiles, self.qtype, self.out_features, self.in_features, out_dtype)
         else:
             y = F.linear(x2.to(self.dense.dtype), self.dense).to(out_dtype)
@@ -139,8 +139,7 @@ def attach_gguf_(model, path: str | Path):
     """Give a bf16 ``LlamaModel`` the GGUF's own weights, in place: Q4_1 projections, the
     Q8_0 LM head and embedding rows, and the F32 norm weights (exact, fp32; each layer's
     ``act_dtype`` stays bf16 for the matmul inputs and the KV cache). Where the kernel
-    runs, forwards of up to :data:`FUSED_MAX_ROWS` tokens go through the fused C++ layers
-    (:func:`fused_forward_`). The fused projections concatenate rows as the model does
+    runs, every forward goes through the fused C++ layers (:func:`fused_forward_`). The fused projections concatenate rows as the model does
     (q, k, v and gate, up). Returns ``model``.
 
     Raises:
@@ -185,19 +184,18 @@ def attach_gguf_(model, path: str | Path):
     model.weights_format = "gguf"
     if gguf_cpu.kernel_available():
         model.fused_forward = fused_forward_
-        model.fused_max_rows = FUSED_MAX_ROWS
     return model
 
 
 def fused_model(model):
     """The C++ ``FusedModel`` holding ``model``'s layers (built on first use, cached on the
-    model; the tensors are shared, not copied)."""
+    model; the tensors are shared, not copied). Its projections use the tiles for every row
+    count (``kernel_max_rows`` -1)."""
     fm = model.__dict__.get("_fused_model")
     if fm is None:
         l0 = model.layers[0].self_attn
         fm = torch.classes.sparkgate.FusedModel(model.layers[0].input_layernorm.eps, l0.qkv_proj.qtype, l0.num_heads,
-                                                l0.num_kv_heads, l0.qkv_proj.max_rows, model.rotary.cos,
-                                                model.rotary.sin)
+                                                l0.num_kv_heads, -1, model.rotary.cos, model.rotary.sin)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fm.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -227,9 +225,9 @@ def use_kernel_threads(model, threads: int) -> None:
     The kernels share work on their own pool (``runtime/kernels/cpu/work_pool.h``): unlike
     OpenMP it does not stall when the HTTP event loop or a client takes a core for a moment
     (served batch-1 decode: 43 → ~90 tok/s on 2 cores, docs/benchmarks.md). So torch itself
-    runs on one thread (sampling, small ops: no OpenMP regions between kernels) and gets
-    ``threads`` back for eager forwards (prefill chunks, ``model.eager_threads``). A model
-    without the fused path is left alone.
+    runs on one thread (sampling, small ops: no OpenMP regions between kernels); every
+    forward of the model runs in the kernels (``model.eager_threads`` = ``threads`` would
+    serve an eager forward). A model without the fused path is left alone.
     """
     if getattr(model, "fused_forward", None) is None:
         return

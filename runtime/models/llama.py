@@ -370,10 +370,9 @@ class LlamaModel(nn.Module):
         # (runtime.models.quant) or "gguf" (runtime.models.gguf_weights); None → the dtype.
         self.weights_format: str | None = None
         # dtype gguf (runtime.models.gguf_weights): exact fp32 embedding rows, and the fused
-        # C++ decoder layers used for forwards of up to fused_max_rows tokens.
+        # C++ decoder layers, used for every forward (row-invariant arithmetic).
         self.embed_quant: nn.Module | None = None
         self.fused_forward = None
-        self.fused_max_rows = 0
         # > 0: torch intra-op threads for forwards that take the eager path (set by the
         # engine when the fused path runs with torch at 1 thread; see LLMEngine).
         self.eager_threads = 0
@@ -456,7 +455,7 @@ class LlamaModel(nn.Module):
         taps: list[torch.Tensor] = []
         tap_set = {i: j for j, i in enumerate(tap_layers)}
         tap_tensor = None
-        if self.fused_forward is not None and len(input_ids) <= self.fused_max_rows:
+        if self.fused_forward is not None:
             # every layer in one C++ call, x updated in place
             tap_tensor = self.fused_forward(self, x, cache, slot_idx, positions, tap_layers)
         else:

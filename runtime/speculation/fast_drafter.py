@@ -83,7 +83,8 @@ def q8_linear(weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> Ggu
     """A :class:`GgufLinear` over the Q8_0 quantisation of a float ``[out, in]`` weight
     (the weight itself stays its dense copy)."""
     n, k = weight.shape
-    return GgufLinear(quantize_q8_0(weight), gguf_cpu.Q8_0, n, k, dense=weight.detach().contiguous(), out_dtype=out_dtype)
+    return GgufLinear(quantize_q8_0(weight), gguf_cpu.Q8_0, n, k, dense=weight.detach().contiguous(), out_dtype=out_dtype,
+                      max_rows=kernel_max_rows())
 
 
 def load_draft_vocab(checkpoint: str | Path | None, vocab_size: int) -> torch.Tensor | None:
@@ -214,7 +215,8 @@ class FastDrafter:
         self.vocab = draft_vocab if draft_vocab is not None else torch.arange(self.vocab_size)
         head_blocks = target.lm_head_quant.blocks()[self.vocab]  # GGML rows: a row subset is a valid tensor
         self.head = GgufLinear(head_blocks, target.lm_head_quant.qtype, self.vocab.numel(), target.cfg.hidden_size,
-                               dense=target.lm_head_weight[self.vocab].contiguous(), out_dtype=torch.float32)
+                               dense=target.lm_head_weight[self.vocab].contiguous(), out_dtype=torch.float32,
+                               max_rows=kernel_max_rows())
         mk = drafter.markov
         if mk is not None:
             self.w2_sub_t = mk.w2.weight.detach()[self.vocab].t().contiguous()  # fp32 [r, N]

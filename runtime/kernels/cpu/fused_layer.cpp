@@ -1,9 +1,9 @@
-// The Llama decoder layers for a few tokens, in one call (torch.classes.sparkgate.FusedModel).
+// The Llama decoder layers for the rows of a forward, in one call (torch.classes.sparkgate.FusedModel).
 //
 // A batch-1 decode step of the 135M target is 30 layers x ~45 small torch ops; on a 2-core
 // CPU their dispatch costs more than the layers' arithmetic. FusedModel.forward_ runs every
-// layer for the M rows of a ragged forward (decode anchors, verification drafts, small
-// prefill chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp). Per layer:
+// layer for the M rows of a ragged forward (decode anchors, verification drafts, prefill
+// chunks) with the projections over the GGUF's own blocks (gguf_cpu.cpp). Per layer:
 //
 //   h   = rmsnorm(x) * ln1                          -> bf16
 //   qkv = h @ Wqkv^T                                -> fp32; RoPE (rotate-half) on q and k
@@ -18,8 +18,12 @@
 // of a block sees the whole block) and context_ writes the drafter's context K/V
 // (runtime/speculation/fast_drafter.py); the drafter's layers are a second FusedModel with Q8_0 tiles.
 //
-// x (fp32 [M, d], the residual stream) is updated in place. Rows beyond `kernel_max_rows`
-// use the dense bf16 weights (at::linear) instead of the tiles. Same math as
+// x (fp32 [M, d], the residual stream) is updated in place. Every row's arithmetic is its
+// own (projections: gguf_cpu.cpp's fixed summation order; norms, RoPE, attention, SwiGLU:
+// per-row loops, no split over a row's reduction), so a row's result does not depend on the
+// other rows of the call (tests/runtime/kernels/test_row_invariance.py). With
+// `kernel_max_rows` >= 0 (the drafter's FusedModel) rows beyond it use the dense bf16 weights
+// (at::linear) instead of the tiles, which gives up that property; the target passes -1. Same math as
 // runtime/models/llama.py's eager layer; the roundings differ only where eager rounds an
 // intermediate to bf16 (projection outputs, RoPE) and this op keeps fp32
 // (tests/runtime/kernels/test_gguf_kernel.py compares both with an exact fp32 reference).
@@ -86,11 +90,12 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// h (bf16 [M, K]) @ W^T -> fp32 [M, N]: the GGUF tiles for few rows, the dense bf16 weight
-// beyond kernel_max_rows.
+// h (bf16 [M, K]) @ W^T -> fp32 [M, N]: the GGUF tiles (every row count when kernel_max_rows
+// < 0), else the dense bf16 weight beyond kernel_max_rows.
 at::Tensor project(const at::Tensor& h, const at::Tensor& tiles, int64_t qtype, const at::Tensor& dense,
                    int64_t kernel_max_rows) {
-  if (h.size(0) <= kernel_max_rows) return gguf_linear(h, tiles, qtype, dense.size(0), dense.size(1), at::kFloat);
+  if (kernel_max_rows < 0 || h.size(0) <= kernel_max_rows)
+    return gguf_linear(h, tiles, qtype, dense.size(0), dense.size(1), at::kFloat);
   return at::linear(h, dense).to(at::kFloat);
 }
 
@@ -106,10 +111,13 @@ inline void rope(float* v, const float* c, const float* s, int64_t D) {
 
 // exp(s_j - max) in place over n scores; returns their sum (the caller divides).
 float softmax_unnormalised(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  __m512 sum16 = _mm512_setzero_ps();
+  __m512 mx16 = _mm512_set1_ps(-INFINITY);  // the max is exact in any order
   int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(s + j));
+  float mx = _mm512_reduce_max_ps(mx16);
+  for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  __m512 sum16 = _mm512_setzero_ps();
+  j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
     _mm512_storeu_ps(s + j, p);
@@ -187,6 +195,89 @@ int64_t qk_amx(const at::BFloat16* q, const at::BFloat16* k, int64_t n, int64_t 
   return blocks * 16;
 }
 
+// Lane i of the result = the sum of a[i]'s 16 lanes, by one fixed tree for every key: the
+// 128-bit quarters as (Q0 + Q2) + (Q1 + Q3), then its 4 floats as (f0 + f2) + (f1 + f3). Sixteen
+// scores cost ~16 shuffles and adds instead of ~8 each; a key's score is the same whichever
+// block of 16 it is summed in.
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // quarters [a_i: Q0+Q2, Q1+Q3 | a_i+8: Q0+Q2, Q1+Q3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarters [a_i | a_i+8 | a_i+4 | a_i+12], each (Q0+Q2)+(Q1+Q3)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)  // per quarter [c_i: f0+f2, c_i+2: f0+f2, c_i: f1+f3, c_i+2: f1+f3]
+    d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[i], c[i + 2]), _mm512_unpackhi_ps(c[i], c[i + 2]));
+  // per quarter q the totals of c_0..c_3, i.e. lane 4q + e holds key e + (0, 8, 4, 12)[q]
+  const __m512 e = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15), e);
+}
+
+// Scores of hn query heads (qf: fp32 [hn][D], already scaled) against keys [j0, n) of one
+// slot's K rows (bf16 [.., D]), into score[h * stride + key]. Per key, as a row of 16 lanes:
+// q[0:16] * k[0:16], then fma over the next 16-dim pieces in order, then reduce16.
+void qk_scores(const float* qf, int64_t hn, const at::BFloat16* k, int64_t j0, int64_t n, int64_t D, float* score,
+               int64_t stride) {
+  const int64_t DV = D / 16;
+  alignas(64) float kf[16 * 128];  // one block of 16 keys in fp32 (zeros past n)
+  for (int64_t jj = j0; jj < n; jj += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - jj);
+    for (int64_t kk = 0; kk < 16; ++kk)
+      for (int64_t v = 0; v < DV; ++v)
+        _mm512_store_ps(kf + kk * D + 16 * v, kk < nk ? bf16x16_to_f32(k + (jj + kk) * D + 16 * v) : _mm512_setzero_ps());
+    const __mmask16 mask = static_cast<__mmask16>((1u << nk) - 1);
+    for (int64_t h = 0; h < hn; ++h) {
+      const float* q = qf + h * D;
+      __m512 acc[16];
+      const __m512 q0 = _mm512_load_ps(q);
+      for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_mul_ps(q0, _mm512_load_ps(kf + kk * D));
+      for (int64_t v = 1; v < DV; ++v) {
+        const __m512 qv = _mm512_load_ps(q + 16 * v);
+        for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_fmadd_ps(qv, _mm512_load_ps(kf + kk * D + 16 * v), acc[kk]);
+      }
+      _mm512_mask_storeu_ps(score + h * stride + jj, mask, reduce16(acc));
+    }
+  }
+}
+
+// out[h] = bf16(inv_sum[h] * sum_j p[h][j] v_j) for HN heads over keys [0, n) (V bf16 [.., D]),
+// NV 16-dim pieces from piece v0; per head and piece one fma chain over the keys in order.
+template <int HN, int NV>
+void pv_heads(const float* score, int64_t stride, const at::BFloat16* vrow, int64_t n, int64_t D, int64_t v0,
+              const float* inv_sum, at::BFloat16* out) {
+  __m512 o[HN][NV];
+  for (int h = 0; h < HN; ++h)
+    for (int v = 0; v < NV; ++v) o[h][v] = _mm512_setzero_ps();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = bf16x16_to_f32(vrow + jj * D + 16 * (v0 + v));
+    for (int h = 0; h < HN; ++h) {
+      const __m512 p = _mm512_set1_ps(score[h * stride + jj]);
+      for (int v = 0; v < NV; ++v) o[h][v] = _mm512_fmadd_ps(p, vv[v], o[h][v]);
+    }
+  }
+  for (int h = 0; h < HN; ++h) {
+    alignas(64) float tmp[16];
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int v = 0; v < NV; ++v) {
+      _mm512_store_ps(tmp, _mm512_mul_ps(o[h][v], inv));
+      for (int k = 0; k < 16; ++k) out[h * D + 16 * (v0 + v) + k] = at::BFloat16(tmp[k]);
+    }
+  }
+}
+
+template <int HN>
+void pv_pieces(const float* score, int64_t stride, const at::BFloat16* vrow, int64_t n, int64_t D,
+               const float* inv_sum, at::BFloat16* out) {
+  for (int64_t v0 = 0; v0 < D / 16; v0 += 4) {
+    switch (std::min<int64_t>(4, D / 16 - v0)) {
+      case 4: pv_heads<HN, 4>(score, stride, vrow, n, D, v0, inv_sum, out); break;
+      case 3: pv_heads<HN, 3>(score, stride, vrow, n, D, v0, inv_sum, out); break;
+      case 2: pv_heads<HN, 2>(score, stride, vrow, n, D, v0, inv_sum, out); break;
+      default: pv_heads<HN, 1>(score, stride, vrow, n, D, v0, inv_sum, out); break;
+    }
+  }
+}
+
 // Attention of M rows (see the file comment). qkv fp32 [M, (H + 2 KVH) D] is RoPE'd in
 // place; returns bf16 [M, H D]. Every row's K/V is written before any row attends, so
 // with kv_lens (non-null) row r attends to keys [0, kv_lens[r]) of its slot instead of
@@ -217,8 +308,7 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   at::Tensor out = at::empty({M, H * D}, qkv.options().dtype(at::kBFloat16));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / KVH;  // query heads per kv head (GQA)
-  const int64_t DV = D / 16;      // zmm per head vector (D % 16 == 0 and D <= 128, checked)
+  const int64_t group = H / KVH;  // query heads per kv head (GQA; D % 16 == 0 and D <= 128, checked)
   const bool amx = amx_attention_usable() && D == 64 && group <= 16;
   // One task per (row, kv head): its query heads share every K/V load. With few rows that
   // is fewer tasks than threads x 2, so each kv head's query heads get a task each instead.
@@ -237,38 +327,19 @@ at::Tensor attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
     const at::BFloat16* qh0 = qbp + (r * H + h0) * D;  // this task's query heads, bf16
     int64_t j = 0;
     if (amx) j = qk_amx(qh0, krow, n, hn, scale, score.data(), stride);
-    for (int64_t h = 0; h < hn; ++h) {  // the keys AMX did not cover (all, without AMX)
-      __m512 q[8];
-      for (int64_t v = 0; v < DV; ++v) q[v] = _mm512_mul_ps(bf16x16_to_f32(qh0 + h * D + 16 * v), _mm512_set1_ps(scale));
-      for (int64_t jj = j; jj < n; ++jj) {
-        __m512 acc = _mm512_mul_ps(q[0], bf16x16_to_f32(krow + jj * D));
-        for (int64_t v = 1; v < DV; ++v) acc = _mm512_fmadd_ps(q[v], bf16x16_to_f32(krow + jj * D + 16 * v), acc);
-        score[h * stride + jj] = _mm512_reduce_add_ps(acc);
-      }
-    }
+    alignas(64) float qf[16 * 128];  // the heads' q, fp32, scaled
+    for (int64_t i = 0; i < hn * D; i += 16)
+      _mm512_store_ps(qf + i, _mm512_mul_ps(bf16x16_to_f32(qh0 + i), _mm512_set1_ps(scale)));
+    qk_scores(qf, hn, krow, j, n, D, score.data(), stride);  // the keys AMX did not cover (all, without AMX)
     float inv_sum[16];
     for (int64_t h = 0; h < hn; ++h) inv_sum[h] = 1.f / softmax_unnormalised(score.data() + h * stride, n);
-    __m512 o[16][4];  // [head][D/16], D <= 64 here or the loop below covers DV <= 4 per pass
-    for (int64_t v0 = 0; v0 < DV; v0 += 4) {
-      const int64_t nv = std::min<int64_t>(4, DV - v0);
-      for (int64_t h = 0; h < hn; ++h)
-        for (int64_t v = 0; v < nv; ++v) o[h][v] = _mm512_setzero_ps();
-      for (int64_t jj = 0; jj < n; ++jj) {
-        __m512 vv[4];
-        for (int64_t v = 0; v < nv; ++v) vv[v] = bf16x16_to_f32(vrow + jj * D + 16 * (v0 + v));
-        for (int64_t h = 0; h < hn; ++h) {
-          const __m512 p = _mm512_set1_ps(score[h * stride + jj]);
-          for (int64_t v = 0; v < nv; ++v) o[h][v] = _mm512_fmadd_ps(p, vv[v], o[h][v]);
-        }
-      }
-      for (int64_t h = 0; h < hn; ++h) {
-        alignas(64) float tmp[16];
-        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        at::BFloat16* dst = op + (r * H + h0 + h) * D + 16 * v0;
-        for (int64_t v = 0; v < nv; ++v) {
-          _mm512_store_ps(tmp, _mm512_mul_ps(o[h][v], inv));
-          for (int k = 0; k < 16; ++k) dst[16 * v + k] = at::BFloat16(tmp[k]);
-        }
+    at::BFloat16* dst = op + (r * H + h0) * D;
+    for (int64_t h = 0; h < hn;) {  // up to 3 heads share each V load (registers: 3 x 4 accumulators)
+      const float* sc = score.data() + h * stride;
+      switch (std::min<int64_t>(3, hn - h)) {
+        case 3: pv_pieces<3>(sc, stride, vrow, n, D, inv_sum + h, dst + h * D); h += 3; break;
+        case 2: pv_pieces<2>(sc, stride, vrow, n, D, inv_sum + h, dst + h * D); h += 2; break;
+        default: pv_pieces<1>(sc, stride, vrow, n, D, inv_sum + h, dst + h * D); h += 1; break;
       }
     }
   });

@@ -26,6 +26,10 @@
 // traffic. Lanes are output rows, so no horizontal sums. Parallel over chunks of tiles
 // (work_pool.h).
 //
+// Row invariance: an output's summation order is fixed (see tile_kernel), so row r of an
+// M-row call equals the 1-row call bit for bit for every M and work split; a token's result
+// does not depend on what else shares its forward (docs/benchmarks.md, "Row invariance").
+//
 // Built on first use by runtime/kernels/cpu/gguf_cpu.py (torch.utils.cpp_extension); called only
 // on CPUs that list avx512_bf16. Registered as torch.ops.sparkgate.gguf_linear.
 #include "gguf_cpu.h"
@@ -52,9 +56,9 @@ constexpr int64_t QTYPE_Q8_0 = 8;
 #define PREFETCH_TILES 16
 #endif
 
-int64_t& amx_min_rows() {  // 0: AMX off (default until Python enables it on an AMX CPU)
-  static int64_t rows = 0;
-  return rows;
+bool& amx_on() {  // AMX for every call, or never (default until Python enables it on an AMX CPU)
+  static bool on = false;
+  return on;
 }
 
 constexpr int64_t tile_bytes(int64_t qtype) { return qtype == QTYPE_Q4_1 ? 256 + 32 + 32 : 512 + 32; }
@@ -88,74 +92,98 @@ inline __m512i q8_to_bf16(const uint8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 <- lo, 16-31 <- hi
 }
 
-// R rows of x (row stride K) against tiles [t0, t1); y row stride N. Each row keeps
-// 2 * C partial sums per group (k-pair chains of VDPBF16PS, whose latency would otherwise
-// bound a one-row pass): C = 2 for one row, 1 when the rows already give enough chains.
-template <int64_t QTYPE, int R>
-void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
-                 int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  constexpr int C = R == 1 ? 2 : 1;
-  const int64_t G = K / QK;
-  const int64_t tb = tile_bytes(QTYPE);
-  const __m512i lut = nibble_lut();
+// Row invariance: every output goes through the same sequence of roundings whatever M, the
+// row blocking and the work split are, so row r of an M-row call is bit for bit the 1-row
+// call (tests/runtime/kernels/test_row_invariance.py). Per group of 32 k, from zero, chain a
+// accumulates the even k-pairs 0, 2, .., 14 and chain b the odd ones 1, 3, .., 15 (one
+// VDPBF16PS each); then, group after group, acc = fma(a + b, d, acc) and, for Q4_1,
+// acc = fma(m, sum x, acc). A kernel added here must keep this order.
+//
+// groups_kernel: R rows of x (row stride K) against groups [g0, g0 + GU) of one tile, adding
+// into acc[R]. The GU groups' chains are independent, so GU only sets how many are in
+// flight: a row alone would wait on VDPBF16PS latency with 2 chains and takes two groups at
+// a time (4 chains); 2 and more rows have 4+ chains and share each group's unpacked weights.
+// (Measured on a 2-core EPYC, 1 thread, the 30 layers' projections: 1 row 3.6 ms as with the
+// earlier 4-chain 1-row kernel, 3 rows 4.9 ms instead of 6.8 ms; 4 groups at a time for one
+// row was 20 % slower.)
+template <int64_t QTYPE, int R, int GU>
+inline __attribute__((always_inline)) void groups_kernel(const uint16_t* x, const float* xsum, const uint8_t* tile,
+                                                         int64_t K, int64_t G, int64_t g0, __m512i lut, __m512 (&acc)[R]) {
+  constexpr int64_t tb = tile_bytes(QTYPE);
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * G * tb;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g, tile += tb) {
-      for (int64_t off = 0; off < tb; off += 64)  // the whole tile PREFETCH_TILES ahead
-        _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
-      __m512 p[R][2 * C];
-      for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 2 * C; ++j) p[r][j] = _mm512_setzero_ps();
-      const uint16_t* xg = x + g * QK;
-      if (QTYPE == QTYPE_Q4_1) {
-        for (int c = 0; c < 8; ++c) {  // k = 4c .. 4c+3 of this group
-          const int j = 2 * (c % C);
-          __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
-          __m512i wa = _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut);   // k-pair 2c
-          __m512i wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);     // k-pair 2c+1
-          for (int r = 0; r < R; ++r) {
-            p[r][j] = dp(p[r][j], wa, bcast_pair(xg + r * K + 4 * c));
-            p[r][j + 1] = dp(p[r][j + 1], wb, bcast_pair(xg + r * K + 4 * c + 2));
-          }
+  __m512 pa[GU][R], pb[GU][R];
+  for (int u = 0; u < GU; ++u)
+    for (int r = 0; r < R; ++r) pa[u][r] = pb[u][r] = _mm512_setzero_ps();
+  for (int u = 0; u < GU; ++u)
+    for (int64_t off = 0; off < tb; off += 64)  // PREFETCH_TILES groups ahead
+      _mm_prefetch(reinterpret_cast<const char*>(tile + (g0 + u + PREFETCH_TILES) * tb + off), _MM_HINT_T0);
+  // Loop orders measured fastest for one row: Q4_1 group after group, Q8_0 (heavier to
+  // unpack) the groups' chunks interleaved.
+  if (QTYPE == QTYPE_Q4_1) {
+    for (int u = 0; u < GU; ++u) {
+      for (int c = 0; c < 8; ++c) {  // k = 4c .. 4c+3 of group g0 + u
+        const uint8_t* q = tile + (g0 + u) * tb + 32 * c;
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+        const __m512i wa = _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut);  // k-pair 2c
+        const __m512i wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);    // k-pair 2c+1
+        const uint16_t* xg = x + (g0 + u) * QK + 4 * c;
+        for (int r = 0; r < R; ++r) {
+          pa[u][r] = dp(pa[u][r], wa, bcast_pair(xg + r * K));
+          pb[u][r] = dp(pb[u][r], wb, bcast_pair(xg + r * K + 2));
         }
-      } else {
-        for (int c = 0; c < 16; c += 2) {  // k-pairs c, c+1
-          const int j = 2 * ((c / 2) % C);
-          __m512i wa = q8_to_bf16(tile + 32 * c);
-          __m512i wb = q8_to_bf16(tile + 32 * (c + 1));
-          for (int r = 0; r < R; ++r) {
-            p[r][j] = dp(p[r][j], wa, bcast_pair(xg + r * K + 2 * c));
-            p[r][j + 1] = dp(p[r][j + 1], wb, bcast_pair(xg + r * K + 2 * c + 2));
-          }
-        }
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
-      for (int r = 0; r < R; ++r) {
-        __m512 s = _mm512_add_ps(p[r][0], p[r][1]);
-        if (C == 2) s = _mm512_add_ps(s, _mm512_add_ps(p[r][2 % (2 * C)], p[r][3 % (2 * C)]));
-        acc[r] = _mm512_fmadd_ps(s, d, acc[r]);
-      }
-      if (QTYPE == QTYPE_Q4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  } else {
+    for (int c = 0; c < 16; c += 2) {  // k-pairs c, c+1 of each group
+      for (int u = 0; u < GU; ++u) {
+        const uint8_t* q = tile + (g0 + u) * tb + 32 * c;
+        const __m512i wa = q8_to_bf16(q), wb = q8_to_bf16(q + 32);
+        const uint16_t* xg = x + (g0 + u) * QK + 2 * c;
+        for (int r = 0; r < R; ++r) {
+          pa[u][r] = dp(pa[u][r], wa, bcast_pair(xg + r * K));
+          pb[u][r] = dp(pb[u][r], wb, bcast_pair(xg + r * K + 2));
+        }
+      }
+    }
+  }
+  for (int u = 0; u < GU; ++u) {  // in group order
+    const uint8_t* t = tile + (g0 + u) * tb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(pa[u][r], pb[u][r]), d, acc[r]);
+    if (QTYPE == QTYPE_Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 288)));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g0 + u]), acc[r]);
     }
   }
 }
 
-// ---- AMX path for many rows ------------------------------------------------------------
-// Above a few rows the VDPBF16PS path pays one instruction per row per 32 weights. With AMX
-// one TDPBF16PS multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k):
-// the tile's k-pair registers are exactly the B operand's VNNI rows. Per group the 16x16
-// fp32 product is stored and scaled by d (and Q4_1's m * sum x) into the accumulators,
-// which keeps the weights exact as above.
+// R rows of x against tile t (all its groups, GU at a time); y row stride N.
+template <int64_t QTYPE, int R>
+void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                 int64_t N, int64_t K, int64_t t) {
+  constexpr int GU = R == 1 ? 2 : 1;
+  const int64_t G = K / QK;
+  const uint8_t* tile = w + t * G * tile_bytes(QTYPE);
+  const __m512i lut = nibble_lut();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + GU <= G; g += GU) groups_kernel<QTYPE, R, GU>(x, xsum, tile, K, G, g, lut, acc);
+  for (; g < G; ++g) groups_kernel<QTYPE, R, 1>(x, xsum, tile, K, G, g, lut, acc);
+  for (int r = 0; r < R; ++r) {
+    if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  }
+}
+
+// ---- AMX path ---------------------------------------------------------------------------
+// The VDPBF16PS path pays one instruction per row per 32 weights. With AMX one TDPBF16PS
+// multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k): the tile's
+// k-pair registers are exactly the B operand's VNNI rows. Per group the 16x16 fp32 product
+// is stored and scaled by d (and Q4_1's m * sum x) into the accumulators, which keeps the
+// weights exact as above. Each row of the product is the same whatever rows share the tile,
+// but its rounding differs from the VDPBF16PS chains: for row invariance a CPU uses AMX for
+// every call, 1-row decode steps included, or for none (set_amx).
 
 struct TileConfig {  // the LDTILECFG memory layout (palette 1)
   uint8_t palette_id = 1;
@@ -226,8 +254,7 @@ void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, flo
   _tile_release();
 }
 
-// All M rows against tiles [t0, t1), in row chunks of 8/4/2/1 per tile (its bytes stay in
-// L1 between chunks).
+// All M rows against tiles [t0, t1).
 template <int64_t QTYPE>
 void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
                     int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, bool amx) {
@@ -238,19 +265,21 @@ void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, floa
                              y_bf16 != nullptr ? y_bf16 + i * N : nullptr, std::min<int64_t>(16, M - i), N, K, t0, t1);
     return;
   }
-  for (int64_t t = t0; t < t1; ++t) {
+  // Tile by tile (its bytes stay in L1 between row chunks): rows in chunks of 8 / 4, the
+  // last 1-3 rows together.
+  for (int64_t t = t0; t < t1; ++t)
     for (int64_t i = 0; i < M;) {
       const uint16_t* xi = x + i * K;
       const float* xs = xsum != nullptr ? xsum + i * G : nullptr;
       float* yf = y_f32 != nullptr ? y_f32 + i * N : nullptr;
       at::BFloat16* yb = y_bf16 != nullptr ? y_bf16 + i * N : nullptr;
       const int64_t left = M - i;
-      if (left >= 8) { tile_kernel<QTYPE, 8>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 8; }
-      else if (left >= 4) { tile_kernel<QTYPE, 4>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 4; }
-      else if (left >= 2) { tile_kernel<QTYPE, 2>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 2; }
-      else { tile_kernel<QTYPE, 1>(xi, xs, w, yf, yb, N, K, t, t + 1); i += 1; }
+      if (left >= 8) { tile_kernel<QTYPE, 8>(xi, xs, w, yf, yb, N, K, t); i += 8; }
+      else if (left >= 4) { tile_kernel<QTYPE, 4>(xi, xs, w, yf, yb, N, K, t); i += 4; }
+      else if (left == 3) { tile_kernel<QTYPE, 3>(xi, xs, w, yf, yb, N, K, t); i += 3; }
+      else if (left == 2) { tile_kernel<QTYPE, 2>(xi, xs, w, yf, yb, N, K, t); i += 2; }
+      else { tile_kernel<QTYPE, 1>(xi, xs, w, yf, yb, N, K, t); i += 1; }
     }
-  }
 }
 
 }  // namespace
@@ -291,7 +320,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   const int64_t T = N / TN;
   auto& pool = sparkgate::WorkPool::instance();
   const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
-  const bool amx = M >= amx_min_rows() && amx_usable();
+  const bool amx = amx_on() && amx_usable();
   pool.run((T + per - 1) / per, [&](int64_t c) {
     const int64_t t0 = c * per, t1 = std::min(T, t0 + per);
     if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);
@@ -302,17 +331,19 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
 
 void set_kernel_threads(int64_t n) { sparkgate::WorkPool::instance().set_threads(static_cast<int>(n)); }
 
-// Rows from which gguf_linear uses AMX (0: never). Set from Python where the CPU has it.
-void set_amx_min_rows(int64_t rows) { amx_min_rows() = rows; }
+// Whether gguf_linear (and the fused attention) use AMX, for every row count. Set from
+// Python where the CPU has it.
+void set_amx(bool on) { amx_on() = on; }
 
-bool gguf_amx_enabled() { return amx_min_rows() > 0; }
+bool gguf_amx_enabled() { return amx_on(); }
 
 int64_t kernel_threads() { return sparkgate::WorkPool::instance().threads(); }
 
 TORCH_LIBRARY(sparkgate, m) {
   m.def("gguf_linear(Tensor x, Tensor tiles, int qtype, int N, int K, ScalarType out_dtype) -> Tensor");
   m.def("set_kernel_threads(int n) -> ()", &set_kernel_threads);
-  m.def("set_amx_min_rows(int rows) -> ()", &set_amx_min_rows);
+  m.def("set_amx(bool on) -> ()", &set_amx);
+  m.def("amx_enabled() -> bool", &gguf_amx_enabled);
   m.def("kernel_threads() -> int", &kernel_threads);
 }
 

@@ -40,8 +40,10 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h, work_pool.h
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
            "-mamx-tile", "-mamx-bf16"]
-#: Rows from which gguf_linear multiplies on the AMX tile unit (where the CPU has one).
-AMX_MIN_ROWS = 4
+#: Whether gguf_linear multiplies on the AMX tile unit where the CPU has one. AMX rounds
+#: differently from the VDPBF16PS path, so it is used for every row count (1-row decode
+#: steps included) or for none: row r of an M-row call stays the 1-row call bit for bit.
+USE_AMX = True
 @functools.lru_cache(maxsize=1)
 def _load_kernel() -> bool:
     """Compile (first time) and load the extension; False if it cannot be built here."""
@@ -65,8 +67,7 @@ def _load_kernel() -> bool:
     except Exception:  # noqa: BLE001 — no compiler / ninja: the caller falls back to dense weights
         log.exception("could not build the GGUF CPU kernel; falling back to dequantised weights")
         return False
-    if AMX_FLAGS <= cpu_flags():
-        torch.ops.sparkgate.set_amx_min_rows(AMX_MIN_ROWS)
+    torch.ops.sparkgate.set_amx(USE_AMX and AMX_FLAGS <= cpu_flags())
     return True
 
 

@@ -95,20 +95,25 @@ def test_gguf_linear_falls_back_to_dense_without_the_kernel(monkeypatch):
 
 
 @needs_kernel
-def test_gguf_linear_uses_the_kernel_for_few_rows_and_the_dense_copy_beyond():
+def test_gguf_linear_uses_the_kernel_for_every_row_count_unless_given_max_rows():
     blocks = random_blocks(Q4_1, 32, 64)
     exact = dequantize(blocks, Q4_1, 32, 64)
     # A dense copy that differs visibly from the blocks tells the two paths apart.
-    lin = GgufLinear(blocks, Q4_1, 32, 64, dense=(exact + 1).to(torch.bfloat16), out_dtype=torch.float32)
-    rows = lin.max_rows
-    assert rows == gguf_weights.kernel_max_rows() >= 12
-    x = torch.randn(rows + 1, 64)
-    few = lin(x[:rows])
-    torch.testing.assert_close(few, x[:rows].to(torch.bfloat16).float() @ exact.T, rtol=1e-5, atol=1e-5)
-    many = lin(x)  # one row more: the (+1) dense copy, a bf16 GEMM
-    dense = torch.nn.functional.linear(x.to(torch.bfloat16), lin.dense).float()
-    torch.testing.assert_close(many, dense, rtol=0, atol=0)
-    assert (many[:rows] - few).abs().max() > 1.0
+    plus_one = (exact + 1).to(torch.bfloat16)
+    x = torch.randn(100, 64)
+    ref = x.to(torch.bfloat16).float() @ exact.T
+    lin = GgufLinear(blocks, Q4_1, 32, 64, dense=plus_one, out_dtype=torch.float32)
+    assert lin.max_rows is None
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # 100 rows: still the blocks
+    # The fused drafter's Q8_0 copies pass max_rows: above it, the dense copy (a bf16 GEMM).
+    rows = gguf_weights.kernel_max_rows()
+    assert rows >= 12
+    capped = GgufLinear(blocks, Q4_1, 32, 64, dense=plus_one, out_dtype=torch.float32, max_rows=rows)
+    torch.testing.assert_close(capped(x[:rows]), ref[:rows], rtol=1e-5, atol=1e-5)
+    many = capped(x[: rows + 1])
+    torch.testing.assert_close(many, torch.nn.functional.linear(x[: rows + 1].to(torch.bfloat16), plus_one).float(),
+                               rtol=0, atol=0)
+    assert (many - ref[: rows + 1]).abs().max() > 1.0
 
 
 @pytest.mark.model
@@ -159,7 +164,7 @@ def test_gguf_model_is_closer_to_fp32_than_bf16(target_fp32, model_dir, tokenize
 def tiny_gguf_model(seed: int = 0):
     """A 2-layer random Llama (d 256, 4 heads of 64, 2 kv heads) with GGUF-style Q4_1 projections,
     a Q8_0 head and the fused layer switched on — what ``attach_gguf_`` builds, without the file."""
-    from runtime.models.gguf_weights import FUSED_MAX_ROWS, QuantEmbedding, fused_forward_
+    from runtime.models.gguf_weights import QuantEmbedding, fused_forward_
     from runtime.models.llama import LlamaConfig, LlamaModel, Rotary
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
@@ -185,7 +190,7 @@ def tiny_gguf_model(seed: int = 0):
     model.lm_head_quant = GgufLinear(head_blocks, Q8_0, 256, 256, dense=dequantize(head_blocks, Q8_0, 256, 256).to(torch.bfloat16),
                                      out_dtype=torch.float32)
     model.embed_quant = QuantEmbedding(head_blocks, Q8_0, 256)
-    model.fused_forward, model.fused_max_rows = fused_forward_, FUSED_MAX_ROWS
+    model.fused_forward = fused_forward_
     return model
 
 

@@ -298,12 +298,28 @@ def test_sampling_tensors_built_once_per_step(target_fp32, tokenizer, monkeypatc
 NEAR_TIE = 0.25  # fp32 logit units; see docs/benchmarks.md "bf16 divergences"
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "gguf"])
-def test_reduced_precision_divergences_only_at_near_ties(model_dir, target_fp32, tokenizer, prompts20, dtype):
-    """bf16 / gguf: speculative vs AR may differ only at a near-tie of the AR logits.
+def test_t0_speculative_equals_autoregressive_gguf(model_dir, tokenizer, prompts20, gguf_kernel):
+    """gguf where its kernel runs: the served path is row-invariant (a token's logits do not
+    depend on the verification width nor on the other requests in the step,
+    tests/runtime/kernels/test_row_invariance.py), so at T = 0 speculation gives AR's
+    tokens exactly, like fp32 — and so does a request served alone instead of in a batch of 21."""
+    from runtime.models.llama import load_llama
 
-    (gguf: AR rows go through the one-row kernel, verification rows through the AMX
-    tile path, both with bf16 activations: the same kind of rounding differences.)
+    model = load_llama(model_dir, "gguf")
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    _, ar, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf")
+    _, spec, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf", spec_method="dspark", spec_policy="fixed")
+    assert len(ar) == len(spec) == 21
+    assert [k for k in ar if spec[k] != ar[k]] == []
+    for k in ("0", "10", "20"):
+        _, alone, _, _ = run(model, tokenizer, [prompts20[int(k)]], sp, dtype="gguf")
+        assert alone["0"] == ar[k], f"prompt {k} alone differs from its batch of 21"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_reduced_precision_divergences_only_at_near_ties(model_dir, target_fp32, tokenizer, prompts20, dtype):
+    """bf16: speculative vs AR may differ only at a near-tie of the AR logits (gguf is exact
+    where its kernel runs: the test above).
 
     The gap is measured on the fp32 logits at the AR prefix (bf16 logits themselves are
     quantised to 0.03–0.06 at this magnitude). The issue asked for < 0.05; bf16 noise
@@ -313,7 +329,7 @@ def test_reduced_precision_divergences_only_at_near_ties(model_dir, target_fp32,
     AR positions — so "divergences only at near-ties" is a real constraint."""
     from runtime.models.llama import SeqSpan, load_llama
 
-    model = load_llama(model_dir, torch.bfloat16 if dtype == "bfloat16" else dtype)
+    model = load_llama(model_dir, torch.bfloat16)
     sp = SamplingParams(temperature=0, max_tokens=32)
     _, ar, _, _ = run(model, tokenizer, prompts20, sp, dtype=dtype)
     _, spec, _, _ = run(model, tokenizer, prompts20, sp, dtype=dtype, spec_method="dspark", spec_policy="fixed")

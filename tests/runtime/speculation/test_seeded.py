@@ -118,3 +118,22 @@ def test_mixed_round_leaves_unseeded_requests_to_rejection_sampling():
     seeded_alone = verify_seeded(p_t[3:], drafts[2:], [3], [9], [5])
     assert res.verify.accepted.tolist() == [int(alone.accepted[0]), int(seeded_alone.accepted[0])]
     assert res.verify.next_tokens.tolist() == [int(alone.next_tokens[0]), int(seeded_alone.next_tokens[0])]
+
+
+def test_served_gguf_dtype_same_text_solo_batched_and_with_speculation(model_dir, tokenizer, seeded, gguf_kernel):
+    """The served dtype where its kernel runs: the gguf path is row-invariant
+    (tests/runtime/kernels/test_row_invariance.py), so a seeded reply is the same alone,
+    among the others, from the prefix cache and under DSpark (the fused drafter, whose
+    drafts only change how many tokens a round accepts)."""
+    from runtime.models.llama import load_llama
+
+    model = load_llama(model_dir, "gguf")
+    (batched, cached), _ = generate(model, tokenizer, seeded, passes=2, dtype="gguf")
+    assert cached == batched
+    (spec,), engine = generate(model, tokenizer, seeded, dtype="gguf", spec_method="dspark", spec_gate=False,
+                               spec_policy="fixed", num_speculative_tokens=4)
+    assert engine.spec_steps > 0 and engine.speculator.fast is not None
+    assert spec == batched
+    for req in seeded[::7]:
+        (solo,), _ = generate(model, tokenizer, [req], dtype="gguf")
+        assert solo[req[0]] == batched[req[0]], req[0]

@@ -1,4 +1,8 @@
-"""What seeded sampling costs speculation: accepted length τ at temperature 1, seeded
+"""Speculation on vs off, text for text, and what seeded sampling costs it.
+
+Part 1 (``--t0-prompts``, default 100 × ``--t0-max-tokens`` 128 over the six eval sets): at
+temperature 0 DSpark's text must equal plain decoding's (row-invariant arithmetic, issue 27);
+reports how many are equal. Part 2: accepted length τ at temperature 1, seeded
 (Gumbel-max coupling: a draft is accepted iff it equals the target's seeded draw) vs
 unseeded (standard rejection sampling), same prompts, same drafter, every draft verified.
 
@@ -32,17 +36,19 @@ TASKS = ("mt-bench", "gsm8k", "humaneval", "mbpp", "math500", "alpaca")
 
 
 def prompts(n: int) -> list[str]:
-    out: list[str] = []
-    per = (n + len(TASKS) - 1) // len(TASKS)
+    """``n`` first turns, spread evenly over the eval sets present (alpaca is fetched
+    separately: data/README.md)."""
+    sets = []
     for task in TASKS:
         try:
-            out += first_turns(task)[:per]
-        except (OSError, ValueError):  # alpaca is fetched separately (data/README.md)
+            sets.append(first_turns(task))
+        except (OSError, ValueError):
             continue
-    return out[:n]
+    per = -(-n // len(sets))
+    return [t for turns in sets for t in turns[:per]][:n]
 
 
-def run(cfg: EngineConfig, texts: list[str], seeded: bool, max_tokens: int, engine=None) -> dict:
+def run(cfg: EngineConfig, texts: list[str], seeded: bool, max_tokens: int, engine=None, temperature: float = 1.0) -> dict:
     done: dict[str, Finished] = {}
     out: dict[str, str] = {}
 
@@ -61,7 +67,7 @@ def run(cfg: EngineConfig, texts: list[str], seeded: bool, max_tokens: int, engi
     for i, text in enumerate(texts):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False), add_special_tokens=False)
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=1000 + i if seeded else None)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i if seeded else None)
         engine.add_request(GenerationRequest(str(i), ids, params, return_spec_stats=True))
         while engine.has_work():  # one request at a time (c = 1)
             engine.step()
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--t0-prompts", type=int, default=100, help="0 skips part 1")
+    ap.add_argument("--t0-max-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     texts = prompts(args.prompts)
     spec = EngineConfig(dtype=args.dtype, spec_method="dspark", spec_policy="fixed", spec_gate=False,
@@ -100,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     res["seeded_gumbel_coupling"] = {k: v for k, v in se.items() if k != "texts"}
     res["plain_seeded"] = {k: v for k, v in ar.items() if k != "texts"}
     res["seeded_texts_equal_plain"] = sum(a == b for a, b in zip(se["texts"], ar["texts"]))
+    if args.t0_prompts:
+        t0 = prompts(args.t0_prompts)
+        a = run(plain, t0, seeded=False, max_tokens=args.t0_max_tokens, temperature=0.0)
+        b = run(spec, t0, seeded=False, max_tokens=args.t0_max_tokens, temperature=0.0)
+        res["t0"] = {"prompts": len(t0), "max_tokens": args.t0_max_tokens,
+                     "spec_texts_equal_plain": sum(x == y for x, y in zip(a["texts"], b["texts"])),
+                     "plain_tokens_per_s": a["tokens_per_s"], "spec_tokens_per_s": b["tokens_per_s"], "spec_tau": b["tau"]}
     print(json.dumps(res, indent=1))
     return 0
 

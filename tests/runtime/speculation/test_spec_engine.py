@@ -306,7 +306,7 @@ def test_t0_speculative_equals_autoregressive_gguf(model_dir, tokenizer, prompts
     from runtime.models.llama import load_llama
 
     model = load_llama(model_dir, "gguf")
-    sp = SamplingParams(temperature=0, max_tokens=32)
+    sp = SamplingParams(temperature=0, max_tokens=64)
     _, ar, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf")
     _, spec, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf", spec_method="dspark", spec_policy="fixed")
     assert len(ar) == len(spec) == 21

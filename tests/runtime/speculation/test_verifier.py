@@ -22,7 +22,7 @@ from runtime.speculation.drafter import sample_block
 from runtime.speculation.markov_head import MarkovHead
 from runtime.speculation import verifier
 from runtime.speculation.verifier import spec_round, verify
-from runtime.engine.sampler import warp_probs
+from runtime.engine.sampler import SamplingBatch, warp_probs
 
 V, GAMMA, RANK, HID = 8, 3, 4, 4
 N = 20000
@@ -73,7 +73,7 @@ def simulate(warp, *, bug: str | None = None, n: int = N, seed: int = 1) -> torc
         anc = anchors[act]
         temp, tk, tp = _params(B, warp)
         U = base[anc]
-        ds = sample_block(head, conf, U, torch.zeros(B, GAMMA, HID), anc, temp, tk, tp, [g] * B)
+        ds = sample_block(head, conf, U, torch.zeros(B, GAMMA, HID), anc, SamplingBatch(temp, tk, tp, [g] * B))
         inputs = torch.cat([anc[:, None], ds.tokens], dim=1)  # anchor + drafts
         rep = lambda x, r: x.repeat_interleave(r)  # noqa: E731
         p_t = warp_probs(target_logits[inputs].reshape(-1, V), rep(temp, GAMMA + 1), rep(tk, GAMMA + 1), rep(tp, GAMMA + 1))
@@ -235,7 +235,7 @@ def test_greedy_spec_rounds_equal_greedy_ar():
     while len(seq) < 60:
         anc = torch.tensor([seq[-1]])
         gamma = 1 + len(seq) % 5  # varying verified lengths
-        ds = sample_block(head, conf, torch.zeros(1, gamma, Vb), torch.zeros(1, gamma, HID), anc, zero, k0, p1, gen)
+        ds = sample_block(head, conf, torch.zeros(1, gamma, Vb), torch.zeros(1, gamma, HID), anc, SamplingBatch(zero, k0, p1, gen))
         inputs = torch.cat([anc, ds.tokens[0]])
         res = spec_round(
             target_logits[inputs], ds.probs[0], ds.tokens[0], [gamma], [len(seq) - 1], zero, k0, p1, gen

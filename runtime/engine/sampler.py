@@ -134,17 +134,32 @@ def gumbel_noise(
     return u.log_().neg_().log_().neg_()  # −log(−log u)
 
 
+def seeded_rows(seeds: Sequence[int | None] | None, temperature: torch.Tensor) -> list[int]:
+    """Rows decided by the seeded Gumbel-max draw: a seed and temperature > 0."""
+    if seeds is None:
+        return []
+    return [i for i, (x, t) in enumerate(zip(seeds, temperature.tolist())) if x is not None and t > 0]
+
+
+def gumbel_scores(
+    probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log probs[i, v] + g(seed_i, position_i, v)`` (float64, −inf where probs is 0): the
+    scores whose argmax is the seeded draw. ``token_ids``: the token id of each column when
+    ``probs`` covers a sub-vocabulary."""
+    noise = gumbel_noise(seeds, positions, probs.shape[-1] if token_ids is None else token_ids, probs.device)
+    return probs.double().log() + noise
+
+
 def gumbel_argmax(
     probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], token_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The seeded draw: ``argmax_v(log probs[i, v] + g(seed_i, position_i, v))`` per row
-    (lowest index on ties); an exact sample of each row of ``probs`` [N, V] (fp32, rows of
-    :func:`warp_probs`); zero-probability tokens are never drawn. ``token_ids``: the token
-    id of each column when ``probs`` covers a sub-vocabulary. Returns int64 [N] column indices."""
+    """The seeded draw: ``argmax`` of :func:`gumbel_scores` per row (lowest index on ties); an
+    exact sample of each row of ``probs`` [N, V] (fp32, rows of :func:`warp_probs`);
+    zero-probability tokens are never drawn. Returns int64 [N] column indices."""
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    noise = gumbel_noise(seeds, positions, probs.shape[-1] if token_ids is None else token_ids, probs.device)
-    return (probs.double().log() + noise).argmax(-1)
+    return gumbel_scores(probs, seeds, positions, token_ids).argmax(-1)
 
 
 def request_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
@@ -223,10 +238,8 @@ class SamplingBatch:
 
     @cached_property
     def seeded_rows(self) -> list[int]:
-        """Rows decided by the seeded Gumbel-max draw: a seed and temperature > 0."""
-        if self.seeds is None:
-            return []
-        return [i for i, (x, t) in enumerate(zip(self.seeds, self.temperature.tolist())) if x is not None and t > 0]
+        """Rows decided by the seeded Gumbel-max draw (:func:`seeded_rows`)."""
+        return seeded_rows(self.seeds, self.temperature)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,7 +267,8 @@ class SamplingBatch:
         rows = torch.tensor(seeded, dtype=torch.long)
         tokens[rows] = gumbel_argmax(probs[rows], [self.seeds[i] for i in seeded],
                                      [self.positions[i] + offset for i in seeded], token_ids)
-        others = [i for i in range(len(self.generators)) if i not in set(seeded)]
+        taken = set(seeded)
+        others = [i for i in range(len(self.generators)) if i not in taken]
         if others:
             tokens[others] = sample(probs[others], [self.generators[i] for i in others])
         return tokens

@@ -61,7 +61,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.engine.sampler import gumbel_noise, uniform, warp_probs
+from runtime.engine.sampler import gumbel_scores, seeded_rows, uniform, warp_probs
 from runtime.kernels.dispatch import backend_for
 from runtime.kernels.gpu.reference import (
     chain_offsets,
@@ -289,8 +289,7 @@ def verify_seeded(
     rep = (lens + 1).tolist()
     row_seeds = [x for x, n in zip(seeds, rep) for _ in range(n)]
     row_pos = [int(q) + k for q, n in zip(positions, rep) for k in range(n)]
-    noise = gumbel_noise(row_seeds, row_pos, p_target.shape[-1], p_target.device)
-    return verify_greedy(p_target.double().log() + noise, draft_tokens, lens)
+    return verify_greedy(gumbel_scores(p_target, row_seeds, row_pos), draft_tokens, lens)
 
 
 def _subset(lens: torch.Tensor, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,12 +390,11 @@ def spec_round(
     """
     lens = torch.as_tensor(list(lengths), dtype=torch.long)
     rep = lens + 1
-    temps = temperature.tolist()
-    seeded = [r for r, (x, t) in enumerate(zip(seeds or [None] * len(temps), temps)) if x is not None and t > 0]
+    seeded = seeded_rows(seeds, temperature)
     if bool((temperature <= 0).all()):
         res = verify_greedy(target_logits, draft_tokens, lens)
     else:
-        if draft_probs is None and len(seeded) < len(temps):
+        if draft_probs is None and len(seeded) < temperature.numel():
             raise ValueError("draft_probs is required unless every request is greedy or seeded")
         p_target = warp_probs(
             target_logits,
@@ -425,7 +423,8 @@ def spec_round(
 def _verify_mixed(p_target, draft_probs, draft_tokens, lens, generators, seeded, seeds, positions) -> VerifyResult:
     """Seeded requests by :func:`verify_seeded`, the others by :func:`verify`, merged."""
     R = lens.numel()
-    rest = [r for r in range(R) if r not in set(seeded)]
+    taken = set(seeded)
+    rest = [r for r in range(R) if r not in taken]
     accepted = torch.zeros(R, dtype=torch.long, device=p_target.device)
     next_tokens = torch.zeros(R, dtype=torch.long, device=p_target.device)
     for group, run in ((seeded, "seeded"), (rest, "standard")):

@@ -46,7 +46,8 @@ class EngineConfig:
         request_timeout_s: per-request wall-clock limit (seconds).
         num_threads: torch intra-op threads (0 → torch default).
         spec_method: ``"none"`` (AR), ``"dspark"``, ``"parallel"`` (rank-0 ablation),
-            ``"prompt_lookup"`` (n-gram baseline).
+            ``"prompt_lookup"`` (n-gram baseline), ``"hybrid"`` (n-gram draft where it is likely
+            accepted, else DSpark: :mod:`runtime.speculation.speculator`).
         spec_policy: verification-budget policy: ``fixed``, ``mtp1``, ``threshold``,
             ``dspark``, ``dspark-sla`` (default).
         draft_checkpoint: path of a drafter checkpoint dir (safetensors + JSON);

@@ -7,6 +7,7 @@
     python -m training.cli eval      --checkpoint DIR [--max-samples 20] ...
     python -m training.cli export    --checkpoint DIR --out runtime/speculation/checkpoints/default
     python -m training.cli draft-vocab --checkpoint DIR [--size 8192]
+    python -m training.cli calibrate-ngram [--max-ngram 5]      # the hybrid proposer's n-gram survival
 
 :func:`build_parser` / :func:`main` are what ``sparkgate train-drafter`` etc. hook
 into (``main(argv)`` returns an exit code). Long runs belong under ``nice -n 19``.
@@ -344,6 +345,24 @@ def _run_draft_vocab(a) -> int:
     return 0
 
 
+def _add_calibrate_ngram(sub) -> None:
+    from training.data import DEFAULT_OUT
+
+    p = sub.add_parser("calibrate-ngram", help="measure n-gram draft acceptance per match length and position")
+    p.add_argument("--data", default=str(DEFAULT_OUT))
+    p.add_argument("--gamma", type=int, default=7)
+    p.add_argument("--max-ngram", type=int, default=5)
+
+
+def _run_calibrate_ngram(a) -> int:
+    from training.ngram import calibrate, write
+
+    res = calibrate(a.data, a.gamma, a.max_ngram)
+    path = write(res)
+    print(json.dumps({"written": str(path), "survival": res["survival"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark", description="DSpark drafter pipeline (docs/drafter.md)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -354,11 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_export(sub)
     _add_draft_vocab(sub)
+    _add_calibrate_ngram(sub)
     return p
 
 
 RUNNERS = {"regen": _run_regen, "build-features": _run_features, "train": _run_train, "calibrate": _run_calibrate, "eval": _run_eval,
-           "export": _run_export, "draft-vocab": _run_draft_vocab}
+           "export": _run_export, "draft-vocab": _run_draft_vocab, "calibrate-ngram": _run_calibrate_ngram}
 
 
 def main(argv: list[str] | None = None) -> int:

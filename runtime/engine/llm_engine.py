@@ -188,7 +188,8 @@ class LLMEngine:
         # Decided before drafting, from past steps only (lossless: runtime/speculation/gate.py).
         speculate = spec is not None and bool(plan.decode) and (self.gate is None or self.gate.speculate(len(plan.decode)))
         sampling = SamplingBatch.of(plan.decode)  # the decode rows' sampling tensors, once (draft + verify)
-        proposal = spec.propose(plan.decode, sampling) if speculate else None
+        # None: nothing drafted (a plain step); hybrid verifies free n-gram drafts even on gated steps.
+        proposal = spec.propose(plan.decode, sampling, use_drafter=speculate) if spec is not None and plan.decode else None
         ids: list[int] = []
         spans: list[SeqSpan] = []
         for i, seq in enumerate(plan.decode):
@@ -229,7 +230,7 @@ class LLMEngine:
             self.decode_steps += 1
             self.verify_tokens += num_verify_rows
             if spec is not None:
-                if speculate:
+                if proposal is not None:
                     self.spec_steps += 1
                 else:
                     self.gated_steps += 1
@@ -269,6 +270,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.commit(seqs, out.taps[:num_rows] if out.taps is not None else None, res.commit_rows, res.commit_counts)
         accepted = res.verify.accepted.tolist()
+        if proposal is not None:
+            self.speculator.record_outcome(seqs, proposal, accepted)
         lps = self._logprobs(out.logits[:num_rows], seqs, res.tokens, res.token_rows)
         for i, (seq, ell, acc, toks, lp) in enumerate(zip(seqs, lengths, accepted, res.tokens, lps)):
             count = None
@@ -357,11 +360,13 @@ class LLMEngine:
     def _fail(self, seq: SequenceState, message: str, code: str) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
-        self._release(seq)
+        self._release(seq, keep_context=False)
         seq.timings.finished = time.monotonic()
         self.emit(seq.request_id, Failed(message, code, seq.num_prompt, seq.num_completion, seq.timings))
 
-    def _release(self, seq: SequenceState) -> None:
+    def _release(self, seq: SequenceState, keep_context: bool = True) -> None:
+        if self.speculator is not None and seq.slot >= 0:  # its queued draft context: commit or drop
+            self.speculator.release(seq.slot, keep_context and self.prefix_cache is not None)
         self.scheduler.remove(seq)
         self._by_id.pop(seq.request_id, None)
 

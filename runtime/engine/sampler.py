@@ -236,6 +236,16 @@ class SamplingBatch:
         return cls(*params_to_tensors(params), [s.generator for s in seqs],
                    seeds if any(x is not None for x in seeds) else None, [s.num_generated for s in seqs])
 
+    def select(self, rows: Sequence[int]) -> "SamplingBatch":
+        """The sub-batch of ``rows`` (in that order): the same parameters, generators, seeds and positions."""
+        if len(rows) == len(self.generators) and list(rows) == list(range(len(rows))):
+            return self
+        idx = torch.tensor(list(rows), dtype=torch.long)
+        seeds = [self.seeds[i] for i in rows] if self.seeds is not None else None
+        return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[i] for i in rows],
+                             seeds if seeds is not None and any(x is not None for x in seeds) else None,
+                             [self.positions[i] for i in rows] if self.positions is not None else None)
+
     @cached_property
     def seeded_rows(self) -> list[int]:
         """Rows decided by the seeded Gumbel-max draw (:func:`seeded_rows`)."""

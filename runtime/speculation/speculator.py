@@ -12,8 +12,18 @@ context cache and the verification-budget policy (paper Alg. 1 + SLA weights,
    context cache (anchor + accepted drafts; rejected ones are never committed).
 
 Invariant while a sequence decodes (see ``spec_round``'s docstring):
-``draft_cache.lengths[slot] == target_cache.lengths[slot] == p`` where p is the
-anchor's position — the anchor is committed but not yet processed by the target.
+``draft_cache.lengths[slot] + queued(slot) == target_cache.lengths[slot] == p`` where p is
+the anchor's position — the anchor is committed but not yet processed by the target, and
+``queued`` counts the positions whose taps wait for the slot's next draft (lazy commit,
+:meth:`Speculator.commit`); right before drafting a slot they are committed, so the drafter
+always sees the whole context.
+
+``hybrid`` (issue: DSpark on by default) proposes per sequence either the prompt-lookup
+n-gram continuation (free to draft; :class:`runtime.speculation.prompt_lookup.NgramIndex`,
+match lengths 1..5) or a DSpark block, chosen before anything is drafted: the n-gram when
+its calibrated first-position acceptance c_{n,1} (:func:`~runtime.speculation.prompt_lookup.ngram_survival`)
+is at least the request's DSpark first-position acceptance so far, else DSpark. Both kinds
+of draft enter ONE verification budget (Alg. 1) with their calibrated survival probabilities.
 """
 
 from __future__ import annotations
@@ -30,13 +40,22 @@ from runtime.engine.sampler import SamplingBatch
 from runtime.engine.sequence import SequenceState
 from runtime.models.llama import LlamaModel
 from runtime.speculation.budget import schedule
-from runtime.speculation.prompt_lookup import one_hot_probs, propose_ngram
+from runtime.speculation.prompt_lookup import NgramIndex, ngram_survival, one_hot_probs
 from runtime.speculation.sla import sla_weight
 from runtime.speculation.sps import SpsTable, fallback_table
 
 log = logging.getLogger(__name__)
 
-SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup")
+SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
+#: a slot's queued draft-context positions that force a flush (:meth:`Speculator.commit`)
+LAZY_COMMIT_MAX = 32
+#: n-gram sizes the hybrid proposer tries (longest first); its calibration has a row per n
+HYBRID_MAX_NGRAM = 5
+#: pseudo-rounds of the drafter's prior first-position acceptance in a request's estimate
+A1_PRIOR_WEIGHT = 4
+#: the committed drafter's first-position acceptance at T = 0 on prompts it never saw
+#: (docs/drafter.md, eval protocol: 0.35–0.45 by task): a request's estimate before its own rounds
+DRAFTER_A1_PRIOR = 0.4
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 #: the rank-0 (parallel-only) ablation, trained beside the default on the same data and budget
 PARALLEL_CHECKPOINT = DEFAULT_CHECKPOINT.parent / "parallel"
@@ -53,6 +72,8 @@ class Proposal:
         probs: fp32 ``[Σ ℓ_r, V]`` p_d rows of those tokens (requests in order);
             ``None`` when every request is greedy (verified from the argmax alone).
         gamma: drafted block size γ this step.
+        from_drafter: per sequence, whether its draft came from the DSpark drafter (``hybrid``:
+            the others are n-gram drafts); ``None`` for the single-proposer methods.
     """
 
     lengths: list[int]
@@ -60,6 +81,7 @@ class Proposal:
     tokens: list[list[int]]
     probs: torch.Tensor | None
     gamma: int
+    from_drafter: list[bool] | None = None
 
 
 class Speculator:
@@ -90,7 +112,7 @@ class Speculator:
         self.drafter = None
         self.fast = None
         self.dcache = None
-        if self.method in ("dspark", "parallel"):
+        if self.method in ("dspark", "parallel", "hybrid"):
             self.drafter, path = self._load_drafter(config, target)
             self.dcache = self.drafter.new_context_cache(num_slots, max_len)
             if config.draft_fused:
@@ -104,8 +126,17 @@ class Speculator:
             self.gamma = config.num_speculative_tokens
         # The parallel-only ablation and prompt lookup have no calibrated confidence
         # worth scheduling on: they verify their whole block.
-        self.policy = config.spec_policy if self.method == "dspark" else "fixed"
+        self.policy = config.spec_policy if self.method in ("dspark", "hybrid") else "fixed"
         self.sps_table = sps_table if sps_table is not None else fallback_table()
+        # hybrid: calibrated n-gram survival per match length, and the drafter's prior a_1
+        self.max_ngram = HYBRID_MAX_NGRAM if self.method == "hybrid" else 3
+        self.ngram_conf = ngram_survival() if self.method == "hybrid" else {}
+        if self.method == "hybrid" and sorted(self.ngram_conf) != list(range(1, self.max_ngram + 1)):
+            raise ValueError(f"n-gram calibration covers n={sorted(self.ngram_conf)}, hybrid needs 1..{self.max_ngram}")
+        self.a1_prior = DRAFTER_A1_PRIOR
+        self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> taps queued for the draft context
+        self._ngram_index: dict[int, NgramIndex] = {}
+        self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):
@@ -141,6 +172,9 @@ class Speculator:
         Raises:
             RuntimeError: the draft context does not hold exactly ``num_restored`` positions.
         """
+        self._pending.pop(slot, None)
+        self._ngram_index.pop(slot, None)
+        self._a1_counts.pop(slot, None)
         if self.dcache is None:
             return
         if num_restored == 0:
@@ -155,20 +189,102 @@ class Speculator:
             (self.fast or self.drafter).extend_context(self.dcache, taps, slots, counts)
 
     # -- propose -------------------------------------------------------------------
-    def propose(self, seqs: list[SequenceState], sampling: SamplingBatch) -> Proposal:
-        """Draft γ tokens for each decoding sequence (``sampling``: their rows) and pick ℓ_r (paper Alg. 1)."""
-        if self.drafter is None:
-            return self._propose_ngram(seqs)
-        anchors = torch.tensor([s.last_token for s in seqs], dtype=torch.long)
-        ds = self.draft(anchors, [s.slot for s in seqs], sampling)
+    def propose(self, seqs: list[SequenceState], sampling: SamplingBatch, use_drafter: bool = True) -> Proposal | None:
+        """Draft for each decoding sequence (``sampling``: their rows) and pick ℓ_r (paper Alg. 1).
+
+        ``use_drafter`` ``False`` (the speculation gate's plain step): no drafting at all for
+        ``dspark``/``parallel``/``prompt_lookup``; ``hybrid`` still verifies the n-gram drafts its
+        budget admits (they cost no drafting). Returns ``None`` when nothing was drafted (a plain
+        decode step)."""
+        if self.method == "prompt_lookup":
+            return self._propose_ngram(seqs) if use_drafter else None
+        if self.method != "hybrid":
+            if not use_drafter:
+                return None
+            return self._propose_blocks(seqs, sampling, [([], 0)] * len(seqs), list(range(len(seqs))))
+        ngrams = [self._ngram(s) for s in seqs]
+        # Which proposer each sequence uses is decided before anything is drafted, from past
+        # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
+        use = [i for i, (toks, n) in enumerate(ngrams)
+               if use_drafter and (not toks or self.ngram_conf[n][0] < self._dspark_a1(seqs[i].slot))]
+        if not use and not any(t for t, _ in ngrams):
+            return None
+        return self._propose_blocks(seqs, sampling, ngrams, use)
+
+    def _propose_blocks(self, seqs, sampling: SamplingBatch, ngrams, drafted_rows: list[int]) -> Proposal:
+        """DSpark-draft ``drafted_rows``; the other rows propose their n-gram draft (may be empty);
+        one verification budget over all of them."""
+        picked = set(drafted_rows)
+        ds = None
+        if drafted_rows:
+            sub = [seqs[i] for i in drafted_rows]
+            self.flush([s.slot for s in sub])  # the drafter reads the whole committed context
+            anchors = torch.tensor([s.last_token for s in sub], dtype=torch.long)
+            ds = self.draft(anchors, [s.slot for s in sub], sampling.select(drafted_rows))
+        conf: list[list[float]] = []
+        where = {i: j for j, i in enumerate(drafted_rows)}
+        dconf = ds.confidence.tolist() if ds is not None else []
+        for i in range(len(seqs)):
+            if i in picked:
+                conf.append(dconf[where[i]])
+            else:
+                toks, n = ngrams[i]
+                conf.append(self.ngram_conf[n][: len(toks)] if toks else [])
         weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
         ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
-        plan = schedule(self.policy, ds.confidence, self.sps_table, weights=weights, context_len=ctx)
+        plan = schedule(self.policy, conf, self.sps_table, weights=weights, context_len=ctx)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
-        tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
+        tokens, drafted = [], []
+        for i, l in enumerate(lengths):
+            if i in picked:
+                tokens.append(ds.tokens[where[i], :l].tolist())
+                drafted.append(self.gamma)
+            else:
+                tokens.append(ngrams[i][0][:l])
+                drafted.append(len(ngrams[i][0]))
         # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
-        probs = None if sampling.greedy else ds.dense_probs(lengths)
-        return Proposal(lengths, [self.gamma] * len(seqs), tokens, probs, self.gamma)
+        probs = None if sampling.greedy else self._draft_probs(ds, drafted_rows, tokens, lengths)
+        return Proposal(lengths, drafted, tokens, probs, self.gamma, [i in picked for i in range(len(seqs))])
+
+    def _draft_probs(self, ds, drafted_rows: list[int], tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """p_d rows fp32 ``[Σ ℓ_r, V]`` in request order: the drafter's for drafted rows, one-hot for n-gram rows."""
+        dense = ds.dense_probs([lengths[i] for i in drafted_rows]) if ds is not None else None
+        parts, start, where = [], 0, {i: j for j, i in enumerate(drafted_rows)}
+        offsets = {}
+        for i in drafted_rows:  # row offsets of each drafted request inside ``dense``
+            offsets[i] = start
+            start += lengths[i]
+        for i, l in enumerate(lengths):
+            if l == 0:
+                continue
+            if i in where:
+                parts.append(dense[offsets[i] : offsets[i] + l])
+            else:
+                parts.append(one_hot_probs(tokens[i], self.vocab_size))
+        return torch.cat(parts) if parts else torch.zeros(0, self.vocab_size)
+
+    def _ngram(self, seq: SequenceState) -> tuple[list[int], int]:
+        """(n-gram draft, match length) of ``seq`` from its incremental index."""
+        idx = self._ngram_index.get(seq.slot)
+        if idx is None or len(idx.tokens) > len(seq.token_ids):
+            idx = self._ngram_index[seq.slot] = NgramIndex(max_ngram=self.max_ngram)
+        idx.sync(seq.token_ids)
+        return idx.propose(self.gamma)
+
+    def _dspark_a1(self, slot: int) -> float:
+        """The request's first-position DSpark acceptance so far (past rounds only), shrunk
+        towards the drafter's prior with :data:`A1_PRIOR_WEIGHT` pseudo-rounds."""
+        hits, rounds = self._a1_counts.get(slot, (0, 0))
+        return (hits + A1_PRIOR_WEIGHT * self.a1_prior) / (rounds + A1_PRIOR_WEIGHT)
+
+    def record_outcome(self, seqs: list[SequenceState], proposal: "Proposal", accepted: Sequence[int]) -> None:
+        """Fold a verified round into each DSpark-drafted request's acceptance (hybrid's choice)."""
+        if proposal.from_drafter is None:
+            return
+        for s, mine, ell, acc in zip(seqs, proposal.from_drafter, proposal.lengths, accepted):
+            if mine and ell > 0:
+                hits, rounds = self._a1_counts.get(s.slot, (0, 0))
+                self._a1_counts[s.slot] = (hits + (acc > 0), rounds + 1)
 
     def draft(self, anchors: torch.Tensor, slots: Sequence[int], sampling: SamplingBatch):
         """γ draft tokens per sequence with confidences: the fused CPU drafter
@@ -183,7 +299,7 @@ class Speculator:
     def _propose_ngram(self, seqs: list[SequenceState]) -> Proposal:
         tokens, drafted = [], []
         for s in seqs:
-            prop = propose_ngram(s.token_ids, self.gamma)
+            prop, _ = self._ngram(s)
             drafted.append(len(prop))
             tokens.append(prop[: self._room(s)])
         lengths = [len(t) for t in tokens]
@@ -198,8 +314,41 @@ class Speculator:
         """
         return max(0, seq.max_tokens - seq.num_completion - 1)
 
-    # -- commit --------------------------------------------------------------------
+    # -- commit (lazy) ------------------------------------------------------------
     def commit(self, seqs: list[SequenceState], verify_taps: torch.Tensor | None, commit_rows: torch.Tensor, commit_counts: list[int]) -> None:
-        """Append the anchor + accepted drafts' taps to the draft context (Alg.: commit)."""
-        if self.drafter is not None and verify_taps is not None:
-            self.extend_context(verify_taps[commit_rows], [s.slot for s in seqs], commit_counts)
+        """Queue the anchor + accepted drafts' taps for the draft context (Alg.: commit).
+
+        Lazily: a decode round's taps wait per slot until that slot is drafted next
+        (:meth:`flush` in :meth:`propose`), so rounds that draft nothing do not run the
+        drafter's context projection at all, and a flush commits many positions in one call;
+        a slot holding :data:`LAZY_COMMIT_MAX` positions is flushed at once (bounded memory)."""
+        if self.drafter is None or verify_taps is None:
+            return
+        taps = verify_taps[commit_rows]
+        start, full = 0, []
+        for s, n in zip(seqs, commit_counts):
+            if n:
+                q = self._pending.setdefault(s.slot, [])
+                q.append(taps[start : start + n])
+                start += n
+                if sum(t.shape[0] for t in q) >= LAZY_COMMIT_MAX:
+                    full.append(s.slot)
+        if full:
+            self.flush(full)
+
+    def flush(self, slots: Sequence[int]) -> None:
+        """Commit the queued taps of ``slots`` to the draft context, in one drafter call."""
+        slots = [s for s in slots if self._pending.get(s)]
+        if not slots:
+            return
+        chunks = [torch.cat(self._pending.pop(s)) for s in slots]
+        self.extend_context(torch.cat(chunks), slots, [c.shape[0] for c in chunks])
+
+    def release(self, slot: int, keep_context: bool) -> None:
+        """A sequence leaves ``slot``: commit its queued taps when its context is kept (the
+        prefix cache stores only positions valid in every store), else drop them."""
+        if keep_context:
+            self.flush([slot])
+        self._pending.pop(slot, None)
+        self._ngram_index.pop(slot, None)
+        self._a1_counts.pop(slot, None)

@@ -1,0 +1,142 @@
+"""Proposers side by side, in process at c = 1: first-position acceptance a₁, accepted length τ
+and decode speed per eval task for plain decoding, prompt lookup, DSpark and the hybrid.
+
+Every configuration is one :class:`~runtime.engine.llm_engine.LLMEngine` sharing the same
+loaded target; prompts are sent one at a time (c = 1) and **interleaved**: prompt i goes to
+every configuration in turn (order rotated per prompt) before prompt i+1, so drifts of the
+machine hit all of them alike. Per request: decode tok/s = (completion tokens − 1) / (last
+token − first token) (``runtime.interface.decode_tokens_per_s``'s definition); per task and
+configuration the median over requests and its ratio to plain decoding on the same prompts.
+
+Configurations (``--configs``; ``METHOD[:POLICY][+gate]``):
+
+* ``none`` — plain decoding (the baseline).
+* ``prompt_lookup:fixed``, ``dspark:fixed``, ``hybrid:fixed`` — every draft verified: a₁ and τ
+  of the proposer itself (τ = emitted tokens per round, bonus included; a₁ = accepted first
+  drafts / rounds that verified a draft).
+* ``dspark:dspark-sla+gate``, ``hybrid:dspark-sla+gate`` — as served: the budget (Alg. 1 on
+  the SPS table) and the speculation gate.
+
+Temperature 0, ``--max-tokens`` (128) tokens with EOS allowed, the served dtype. At T = 0 every
+configuration's text must equal plain decoding's (checked, reported as ``texts_equal``).
+Prints one JSON document.
+
+    .venv/bin/python bench/proposers.py [--per-task 8] [--tasks mt-bench gsm8k humaneval]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.config import EngineConfig, resolve_dtype  # noqa: E402
+from runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta  # noqa: E402
+from training.evaluate import first_turns  # noqa: E402
+
+DEFAULT_CONFIGS = ("none", "prompt_lookup:fixed", "dspark:fixed", "hybrid:fixed", "dspark:dspark-sla+gate",
+                   "hybrid:dspark-sla+gate")
+
+
+def engine_config(name: str, dtype: str, gamma: int) -> EngineConfig:
+    """``METHOD[:POLICY][+gate]`` → an engine config (max batch 1, prefix cache off: every prompt is new)."""
+    gate = name.endswith("+gate")
+    method, _, policy = name.removesuffix("+gate").partition(":")
+    return EngineConfig(dtype=dtype, spec_method=method, spec_policy=policy or "dspark-sla", spec_gate=gate,
+                        num_speculative_tokens=gamma, max_batch_size=1, request_timeout_s=3600.0,
+                        prefix_cache_blocks=0)
+
+
+class Runner:
+    """One engine; :meth:`generate` runs one request to completion and returns its numbers."""
+
+    def __init__(self, cfg: EngineConfig, model=None, tokenizer=None) -> None:
+        self.events: list = []
+        self.engine = LLMEngine(cfg, lambda rid, ev: self.events.append(ev), model=model, tokenizer=tokenizer)
+
+    def generate(self, ids: list[int], max_tokens: int) -> dict:
+        self.events = []
+        eng = self.engine
+        eng.add_request(GenerationRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                          return_spec_stats=True))
+        while eng.has_work():
+            eng.step()
+        fin = next(e for e in self.events if isinstance(e, Finished))
+        t = fin.timings
+        n = fin.completion_tokens
+        st = fin.spec
+        out = {"text": "".join(e.text for e in self.events if isinstance(e, TextDelta)), "tokens": n,
+               "tok_s": (n - 1) / (t.last_token - t.first_token) if n > 1 and t.last_token > t.first_token else None}
+        if st is not None:
+            drafted_rounds = st.rounds - st.gated_rounds
+            out.update(rounds=st.rounds, emitted=st.emitted, verified=st.verified, accepted=st.accepted,
+                       first_accepted=(st.accepted_per_position or [0])[0], gated_rounds=st.gated_rounds,
+                       drafted_rounds=drafted_rounds)
+        return out
+
+
+def summarise(rows: list[dict], base: list[dict]) -> dict:
+    speeds = [r["tok_s"] for r in rows if r["tok_s"]]
+    res = {"requests": len(rows), "tok_s_p50": round(statistics.median(speeds), 1) if speeds else None,
+           "texts_equal": sum(a["text"] == b["text"] for a, b in zip(rows, base))}
+    ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(rows, base) if a["tok_s"] and b["tok_s"]]
+    if ratios:
+        res["vs_plain_p50"] = round(statistics.median(ratios), 3)
+    if "rounds" in rows[0]:
+        rounds = sum(r["rounds"] for r in rows)
+        verified_rounds = sum(r["drafted_rounds"] for r in rows)
+        res.update(tau=round(sum(r["emitted"] for r in rows) / max(rounds, 1), 3),
+                   a1=round(sum(r["first_accepted"] for r in rows) / max(verified_rounds, 1), 3),
+                   acceptance=round(sum(r["accepted"] for r in rows) / max(sum(r["verified"] for r in rows), 1), 3),
+                   plain_round_share=round(sum(r["gated_rounds"] for r in rows) / max(rounds, 1), 3))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=["mt-bench", "gsm8k", "humaneval", "mbpp", "math500"])
+    ap.add_argument("--per-task", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--gamma", type=int, default=4)
+    args = ap.parse_args(argv)
+    dtype = resolve_dtype(args.dtype)
+    configs = ["none"] + [c for c in args.configs if c != "none"]
+    first = Runner(engine_config(configs[0], dtype, args.gamma))
+    runners = {configs[0]: first}
+    for c in configs[1:]:
+        runners[c] = Runner(engine_config(c, dtype, args.gamma), model=first.engine.model, tokenizer=first.engine.tokenizer)
+    tok = first.engine.tokenizer
+    for r in runners.values():  # warm-up: kernel builds, first-call costs (prompt not measured)
+        r.generate(tok.encode("Hello!", add_special_tokens=False), 8)
+    results: dict[str, dict[str, list[dict]]] = {c: {} for c in configs}
+    t0 = time.time()
+    for task in args.tasks:
+        turns = first_turns(task)[: args.per_task]
+        for i, text in enumerate(turns):
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=False), add_special_tokens=False)
+            order = configs[i % len(configs):] + configs[: i % len(configs)]
+            for c in order:
+                results[c].setdefault(task, []).append(runners[c].generate(ids, args.max_tokens))
+    out = {"dtype": dtype, "gamma": args.gamma, "max_tokens": args.max_tokens, "per_task": args.per_task,
+           "wall_s": round(time.time() - t0, 1), "tasks": {}}
+    for task in args.tasks:
+        base = results["none"][task]
+        out["tasks"][task] = {c: summarise(results[c][task], base) for c in configs}
+    allrows = {c: [r for t in args.tasks for r in results[c][t]] for c in configs}
+    out["all"] = {c: summarise(allrows[c], allrows["none"]) for c in configs}
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

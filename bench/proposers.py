@@ -51,7 +51,7 @@ def engine_config(name: str, dtype: str, gamma: int) -> EngineConfig:
     method, _, policy = name.removesuffix("+gate").partition(":")
     return EngineConfig(dtype=dtype, spec_method=method, spec_policy=policy or "dspark-sla", spec_gate=gate,
                         num_speculative_tokens=gamma, max_batch_size=1, request_timeout_s=3600.0,
-                        prefix_cache_blocks=0)
+                        prefix_cache_blocks=0, profile_on_start=method != "none")
 
 
 class Runner:

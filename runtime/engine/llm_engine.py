@@ -111,9 +111,10 @@ class LLMEngine:
         self.prefix_cache = self.scheduler.prefix_cache = engine_prefix_cache(config, self.cache, self.speculator)
         if self.speculator is not None:  # explicit or cached SPS table, else the fallback
             self.speculator.sps_table = sps_profiler.initial_sps_table(config, self.model, self.speculator)
-            if config.profile_on_start:  # cached SPS profile, else profile now (paper §3.2.2)
-                round_fn = sps_profiler.make_round_fn(self.model, self.speculator, self.cache)
-                sps_profiler.ensure_profiled(config, self.model, self.speculator, round_fn)
+            self.speculator.sps_table_greedy = sps_profiler.initial_sps_table(config, self.model, self.speculator, 0.0)
+            if config.profile_on_start:  # cached SPS profiles, else profile now (paper §3.2.2)
+                sps_profiler.ensure_profiled(config, self.model, self.speculator,
+                                             lambda t: sps_profiler.make_round_fn(self.model, self.speculator, self.cache, t))
         # Speculate or decode plainly, per step, by measured speed (runtime/speculation/gate.py).
         self.gate = SpecGate() if (self.speculator is not None and config.spec_gate) else None
         self.forward_steps = 0
@@ -189,7 +190,9 @@ class LLMEngine:
         speculate = spec is not None and bool(plan.decode) and (self.gate is None or self.gate.speculate(len(plan.decode)))
         sampling = SamplingBatch.of(plan.decode)  # the decode rows' sampling tensors, once (draft + verify)
         # None: nothing drafted (a plain step); hybrid verifies free n-gram drafts even on gated steps.
-        proposal = spec.propose(plan.decode, sampling, use_drafter=speculate) if spec is not None and plan.decode else None
+        proposal = None
+        if spec is not None and plan.decode and (speculate or spec.free_drafts):
+            proposal = spec.propose(plan.decode, sampling, use_drafter=speculate)
         ids: list[int] = []
         spans: list[SeqSpan] = []
         for i, seq in enumerate(plan.decode):

@@ -26,7 +26,7 @@ from runtime.speculation.sps import SpsTable
 log = logging.getLogger(__name__)
 
 
-def profile_engine(engine: LLMEngine, **options) -> SpsTable:
+def profile_engine(engine: LLMEngine, temperature: float = 1.0, **options) -> SpsTable:
     """Profile ``engine`` now (must have a speculator and no running requests) with
     :func:`~runtime.speculation.sps_profiler.profile_table` over its own round function;
     ``options``: that function's ``context_lens``, ``repeats``, ``warmup``, ``save``.
@@ -40,10 +40,11 @@ def profile_engine(engine: LLMEngine, **options) -> SpsTable:
     if engine.has_work():
         raise ValueError("profile an idle engine (requests are running)")
     cfg = engine.config
-    round_fn = sps_profiler.make_round_fn(engine.model, spec, engine.cache)
-    key = sps_profiler.sps_cache_key(cfg, engine.model, spec)
+    round_fn = sps_profiler.make_round_fn(engine.model, spec, engine.cache, temperature)
+    key = sps_profiler.sps_cache_key(cfg, engine.model, spec, temperature)
     return sps_profiler.profile_table(
-        round_fn, key, max_requests=cfg.max_batch_size, max_context=cfg.max_context, gamma=spec.gamma, **options
+        round_fn, key, max_requests=cfg.max_batch_size, max_context=cfg.max_context, gamma=spec.gamma,
+        temperature=temperature, **options
     )
 
 
@@ -60,9 +61,10 @@ def format_table(table: SpsTable) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m runtime.engine.profile`` (alias ``sparkgate profile``)."""
     ap = argparse.ArgumentParser(description="Profile (or show the cached) SPS table of the embedded engine.")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    ap.add_argument("--spec-method", default="dspark", choices=["dspark", "parallel", "prompt_lookup"])
+    ap.add_argument("--spec-method", default="dspark", choices=["dspark", "parallel", "prompt_lookup", "hybrid"])
+    ap.add_argument("--temperature", type=float, default=1.0, help="1: the table of sampled batches; 0: greedy ones")
     ap.add_argument("--gamma", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--draft-checkpoint", default=None)
     ap.add_argument("--max-batch-size", type=int, default=16)
@@ -80,12 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_size=args.max_batch_size, max_context=args.max_context, profile_on_start=False,
     )  # fmt: skip
     engine = LLMEngine(cfg, lambda rid, ev: None)
-    key = sps_profiler.sps_cache_key(cfg, engine.model, engine.speculator)
+    key = sps_profiler.sps_cache_key(cfg, engine.model, engine.speculator, args.temperature)
     cache = sps_profiler.sps_cache_dir()
     table = None if args.force else sps_mod.load_cached(key, cache)
     source = "cache"
     if table is None or tuple(table.context_lens) != tuple(sps_profiler.profile_context_lens(cfg.max_context, engine.speculator.gamma, args.contexts)):
-        table = profile_engine(engine, context_lens=args.contexts, repeats=args.repeats, warmup=args.warmup)
+        table = profile_engine(engine, args.temperature, context_lens=args.contexts, repeats=args.repeats,
+                               warmup=args.warmup)
         source = "profiled"
     print(format_table(table), file=sys.stderr)
     print(f"source: {source}; cache: {sps_mod.cache_path(key, cache)}", file=sys.stderr)

@@ -128,6 +128,8 @@ class Speculator:
         # worth scheduling on: they verify their whole block.
         self.policy = config.spec_policy if self.method in ("dspark", "hybrid") else "fixed"
         self.sps_table = sps_table if sps_table is not None else fallback_table()
+        #: the SPS table of all-greedy batches (a verified row costs less without warping); None: ``sps_table``
+        self.sps_table_greedy: SpsTable | None = None
         # hybrid: calibrated n-gram survival per match length, and the drafter's prior a_1
         self.max_ngram = HYBRID_MAX_NGRAM if self.method == "hybrid" else 3
         self.ngram_conf = ngram_survival() if self.method == "hybrid" else {}
@@ -157,6 +159,16 @@ class Speculator:
         log.warning("no drafter checkpoint at %s: using a RANDOMLY initialised drafter (lossless, low acceptance)", path)
         cfg = DrafterConfig(block_size=max(config.num_speculative_tokens, 1), markov_rank=0 if rank0 else 64, init_seed=config.seed)
         return DSparkDrafter(target, cfg), None
+
+    @property
+    def free_drafts(self) -> bool:
+        """Whether steps the gate runs plainly may still verify drafts that cost no drafting
+        (``hybrid``'s n-gram continuations)."""
+        return self.method == "hybrid"
+
+    def queued(self, slot: int) -> int:
+        """Positions of ``slot`` whose taps wait for the draft context (lazy commit)."""
+        return sum(t.shape[0] for t in self._pending.get(slot, ()))
 
     # -- target-forward needs ------------------------------------------------------
     @property
@@ -232,7 +244,8 @@ class Speculator:
                 conf.append(self.ngram_conf[n][: len(toks)] if toks else [])
         weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
         ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
-        plan = schedule(self.policy, conf, self.sps_table, weights=weights, context_len=ctx)
+        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
+        plan = schedule(self.policy, conf, table, weights=weights, context_len=ctx)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens, drafted = [], []
         for i, l in enumerate(lengths):

@@ -4,14 +4,17 @@ Paper §3.2.2: the hardware-aware scheduler (:mod:`runtime.speculation.budget`) 
 SPS(B) — full engine rounds per second when the target verifies B tokens in one
 forward — and DSpark profiles it once at start-up. This module supplies
 
-* :class:`EngineRoundFn` — ``round_fn(B, ctx_len) -> seconds``: one full round of
-  THIS engine (its model, dtype, device, thread count, drafter and KV caches):
-  drafter ``propose`` + ``sample_block`` (γ slots per request; the n-gram lookup
-  for ``prompt_lookup``), the target's ragged verification forward over B tokens
-  (with the drafter's tap layers), :func:`runtime.speculation.verifier.spec_round`
-  (warp + accept/resample, T = 1) and the drafter-context commit of the anchor +
-  accepted rows. Not included: detokenisation / stop checks and the scheduler call
-  itself (≈0.04 ms at batch 16) — per-token CPU work that does not scale with B.
+* :class:`EngineRoundFn` — ``round_fn(B, ctx_len) -> seconds``: the verification part
+  of one round of THIS engine (its model, dtype, device, thread count, drafter and KV
+  caches): the target's ragged verification forward over B tokens (with the drafter's tap
+  layers), :func:`runtime.speculation.verifier.spec_round` (warp + accept/resample at the
+  table's temperature) and the drafter-context commit of the anchor + accepted rows. The
+  draft itself is NOT timed: when the budget decides ℓ_r the drafts exist already, so
+  their cost is sunk and only what B changes may weigh on ℓ (a drafting cost inside every
+  B would make each verified row look cheaper than it is). Not included either:
+  detokenisation / stop checks and the scheduler call itself (≈0.04 ms at batch 16).
+  Two tables are profiled: T = 1 (sampled rows warp 49,152-way distributions) and T = 0
+  (greedy rows: argmax only), since a verified row costs less in a greedy batch.
   The B tokens are spread over the fewest requests that can hold them,
   r = ⌈B / (1+γ)⌉, with ℓ_r as equal as possible (e.g. γ = 7: B = 1 → one request,
   ℓ = 0; B = 8 → one request, ℓ = 7; B = 128 → 16 requests, ℓ = 7 each);
@@ -58,7 +61,6 @@ from runtime.engine.sampler import SamplingBatch
 from runtime.models.llama import SeqSpan
 from runtime.models.loader import MODEL_NAME
 from runtime.speculation import sps as sps_mod
-from runtime.speculation.prompt_lookup import propose_ngram
 from runtime.speculation.sps import SpsTable
 from runtime.speculation.verifier import spec_round
 
@@ -88,11 +90,13 @@ __all__ = [
 ]
 
 #: Bump when the meaning of a profiled round changes (what round_fn times).
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 #: Context lengths (tokens) profiled by default (clipped to the engine's max context).
 DEFAULT_CONTEXT_LENS: tuple[int, ...] = (256, 1024)
-DEFAULT_REPEATS = 3
-DEFAULT_WARMUP = 1
+DEFAULT_REPEATS = 7
+DEFAULT_WARMUP = 2
+#: Temperatures with a table of their own: sampled (1.0) and greedy (0.0) batches.
+PROFILE_TEMPERATURES = (1.0, 0.0)
 
 _ROOT = Path(__file__).resolve().parents[2]  # the repository
 #: Sources whose code runs inside a profiled round; their hash is the engine version.
@@ -196,27 +200,21 @@ class EngineRoundFn:
         gens = [torch.Generator().manual_seed(self.rng.getrandbits(62)) for _ in range(r)]
         sampling = SamplingBatch(torch.full((r,), self.temperature), torch.zeros(r, dtype=torch.long), torch.ones(r), gens)
         anchors = torch.tensor([self.rng.randrange(V) for _ in range(r)], dtype=torch.long)
-        history = [self.rng.randrange(V) for _ in range(min(ctx_len, 256))]  # n-gram lookup input
         try:
             for s in slots:
                 self.cache.lengths[s] = ctx_len
                 if dcache is not None:
                     dcache.lengths[s] = ctx_len
-            t0 = time.perf_counter()
-            # 1. draft
-            if drafter is not None:
-                ds = spec.draft(anchors, slots, sampling)
-                ds.confidence.tolist()  # the scheduler reads the confidences on the CPU
-                tokens = [ds.tokens[i, :l].tolist() for i, l in enumerate(lengths)]
-                probs = ds.dense_probs(lengths) if self.temperature > 0 else None  # as the engine
-            else:
-                for _ in range(r):
-                    propose_ngram(history, self.gamma)
-                tokens = [[self.rng.randrange(V) for _ in range(l)] for l in lengths]
-                flat = [t for ts in tokens for t in ts]
+            # 1. drafts (not timed: sunk when the budget decides; module docstring). Dense
+            # [Σℓ, V] p_d rows at T > 0 cost verification the same whatever their values.
+            tokens = [[self.rng.randrange(V) for _ in range(l)] for l in lengths]
+            flat = [t for ts in tokens for t in ts]
+            probs = None
+            if self.temperature > 0:
                 probs = torch.zeros(len(flat), V)
                 if flat:
                     probs[torch.arange(len(flat)), torch.tensor(flat)] = 1.0
+            t0 = time.perf_counter()
             # 2. ONE ragged verification forward over B tokens
             ids: list[int] = []
             spans = []
@@ -287,8 +285,8 @@ def sps_cache_dir() -> Path:
     return cache_dir() / "sps"
 
 
-def sps_cache_key(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator") -> dict:
-    """Cache key of this engine's profile (see the module docstring)."""
+def sps_cache_key(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator", temperature: float = 1.0) -> dict:
+    """Cache key of this engine's profile at ``temperature`` (see the module docstring)."""
     device = model.embed_tokens.weight.device
     return sps_mod.cache_key(
         model=MODEL_NAME,
@@ -300,26 +298,32 @@ def sps_cache_key(config: "EngineConfig", model: "LlamaModel", speculator: "Spec
         gamma=int(speculator.gamma),
         drafter=drafter_id(speculator),
         max_verify_tokens=config.max_batch_size * (1 + int(speculator.gamma)),
+        temperature=float(temperature),
     )
 
 
 # ----------------------------------------------------------------- start-up
-def initial_sps_table(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator") -> SpsTable:
-    """The table a new :class:`~runtime.speculation.speculator.Speculator` uses; never profiles.
+def initial_sps_table(config: "EngineConfig", model: "LlamaModel", speculator: "Speculator",
+                      temperature: float = 1.0) -> SpsTable | None:
+    """The table a new :class:`~runtime.speculation.speculator.Speculator` uses for batches at
+    ``temperature`` (1.0: any sampled row; 0.0: all greedy); never profiles.
 
     Order: ``config.sps_table_path`` (any table file, used as is; raises OSError /
     ValueError if unreadable) → the cached profile for :func:`sps_cache_key` →
-    :func:`runtime.speculation.sps.fallback_table`.
+    :func:`runtime.speculation.sps.fallback_table` (T = 1) or ``None`` (T = 0: the engine then uses
+    the T = 1 table for greedy batches too).
     """
     if config.sps_table_path:
         table = SpsTable.load(config.sps_table_path)
         log.info("SPS table from %s", config.sps_table_path)
         return table
-    key = sps_cache_key(config, model, speculator)
+    key = sps_cache_key(config, model, speculator, temperature)
     table = sps_mod.load_cached(key, sps_cache_dir())
     if table is not None:
         log.info("SPS table: cached profile %s", sps_mod.cache_path(key, sps_cache_dir()))
         return table
+    if temperature <= 0:
+        return None  # greedy batches fall back to the sampled batches' table
     if not config.profile_on_start:
         log.warning("no SPS profile for this engine: using the illustrative fallback table (run `sparkgate profile`)")
     return sps_mod.fallback_table()
@@ -336,6 +340,7 @@ def profile_table(
     repeats: int = DEFAULT_REPEATS,
     warmup: int = DEFAULT_WARMUP,
     save: bool = True,
+    temperature: float = 1.0,
 ) -> SpsTable:
     """Profile an SPS table by timing ``round_fn(B, ctx_len) -> seconds``.
 
@@ -353,7 +358,7 @@ def profile_table(
     cost = time.perf_counter() - t0
     table.note = (
         f"profiled by runtime.speculation.sps_profiler in {cost:.1f} s: median of {repeats} timed rounds "
-        f"(+{warmup} warm-up) per cell; B tokens over ceil(B/(1+γ)) requests, T=1"
+        f"(+{warmup} warm-up) per cell; B tokens over ceil(B/(1+γ)) requests, verification only, T={temperature:g}"
     )
     log.info("SPS profile took %.1f s (%d rounds)", cost, len(buckets) * len(ctxs) * (repeats + warmup))
     if save:
@@ -362,27 +367,34 @@ def profile_table(
     return table
 
 
-def make_round_fn(model: "LlamaModel", speculator: "Speculator", cache: "KVCache") -> Callable[[int, int], float]:
+def make_round_fn(model: "LlamaModel", speculator: "Speculator", cache: "KVCache",
+                  temperature: float = 1.0) -> Callable[[int, int], float]:
     """The round function of an engine's parts: :class:`EngineRoundFn` (tests monkeypatch this factory)."""
-    return EngineRoundFn(model, speculator, cache)
+    return EngineRoundFn(model, speculator, cache, temperature=temperature)
 
 
 def ensure_profiled(
-    config: "EngineConfig", model: "LlamaModel", speculator: "Speculator", round_fn: Callable[[int, int], float]
+    config: "EngineConfig", model: "LlamaModel", speculator: "Speculator",
+    round_fn_for: Callable[[float], Callable[[int, int], float]],
 ) -> SpsTable:
-    """Start-up hook (``EngineConfig.profile_on_start``): keep an explicit table or one whose
-    key matches, else load the cached profile, else profile now with ``round_fn`` (an idle
-    engine's round, see :func:`make_round_fn`) and cache it. Installs the table in
-    ``speculator`` and returns it."""
+    """Start-up hook (``EngineConfig.profile_on_start``): keep an explicit table or ones whose
+    keys match, else load the cached profiles, else profile now and cache them — one table per
+    temperature of :data:`PROFILE_TEMPERATURES` (``speculator.sps_table`` for sampled batches,
+    ``speculator.sps_table_greedy`` for all-greedy ones). ``round_fn_for(temperature)``: an idle
+    engine's round at that temperature (see :func:`make_round_fn`). Returns the T = 1 table."""
     if config.sps_table_path:
         return speculator.sps_table
-    key = sps_cache_key(config, model, speculator)
-    if speculator.sps_table.key == key:
-        return speculator.sps_table
-    table = sps_mod.load_cached(key, sps_cache_dir())
-    if table is None:
-        table = profile_table(
-            round_fn, key, max_requests=config.max_batch_size, max_context=config.max_context, gamma=speculator.gamma
-        )
-    speculator.sps_table = table
-    return table
+    for temperature in PROFILE_TEMPERATURES:
+        key = sps_cache_key(config, model, speculator, temperature)
+        current = speculator.sps_table if temperature > 0 else speculator.sps_table_greedy
+        if current is not None and current.key == key:
+            continue
+        table = sps_mod.load_cached(key, sps_cache_dir())
+        if table is None:
+            table = profile_table(round_fn_for(temperature), key, max_requests=config.max_batch_size,
+                                  max_context=config.max_context, gamma=speculator.gamma, temperature=temperature)
+        if temperature > 0:
+            speculator.sps_table = table
+        else:
+            speculator.sps_table_greedy = table
+    return speculator.sps_table

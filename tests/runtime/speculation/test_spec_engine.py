@@ -95,17 +95,25 @@ class ForcedGate:
 
 
 def check_draft_context_every_step(engine):
-    """After every step, each decoding sequence's drafter context holds exactly its
-    target-cached positions (the speculator invariant), whichever mode the step ran."""
+    """After every step, each decoding sequence's drafter context plus its queued positions
+    (lazy commit) hold exactly its target-cached positions (the speculator invariant),
+    whichever mode the step ran; whenever the drafter drafts a slot, nothing of it is queued."""
     step = engine.step
+    spec = engine.speculator
+    draft = spec.draft
 
     def checked_step():
         step()
         for seq in engine.scheduler.running:
             if seq.status is SeqStatus.DECODE:
-                assert engine.speculator.dcache.lengths[seq.slot] == seq.num_cached
+                assert spec.dcache.lengths[seq.slot] + spec.queued(seq.slot) == seq.num_cached
+
+    def checked_draft(anchors, slots, sampling):
+        assert all(spec.queued(s) == 0 for s in slots)
+        return draft(anchors, slots, sampling)
 
     engine.step = checked_step
+    spec.draft = checked_draft
 
 
 def test_gate_forced_to_ar_equals_ar_and_verifies_no_drafts(target_fp32, tokenizer, prompts20, ar_greedy):
@@ -309,7 +317,8 @@ def test_t0_speculative_equals_autoregressive_gguf(model_dir, tokenizer, prompts
     model = load_llama(model_dir, "gguf")
     sp = SamplingParams(temperature=0, max_tokens=64)
     _, ar, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf")
-    _, spec, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf", spec_method="dspark", spec_policy="fixed")
+    # hybrid with every draft verified: fused DSpark blocks and n-gram drafts both go through verification
+    _, spec, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf", spec_method="hybrid", spec_policy="fixed")
     assert len(ar) == len(spec) == 21
     assert [k for k in ar if spec[k] != ar[k]] == []
     for k in ("0", "10", "20"):

@@ -42,7 +42,7 @@ def fake_round(monkeypatch, tmp_path):
     """Empty SPS cache dir + make_round_fn → FakeRound (records every call)."""
     monkeypatch.setattr(sp, "sps_cache_dir", lambda: tmp_path / "sps")
     fake = FakeRound()
-    monkeypatch.setattr(sp, "make_round_fn", lambda model, speculator, cache: fake)
+    monkeypatch.setattr(sp, "make_round_fn", lambda model, speculator, cache, temperature=1.0: fake)
     return fake
 
 
@@ -103,7 +103,11 @@ def test_profile_on_start_profiles_once_then_hits_cache(target_fp32, tokenizer, 
     engine = make(target_fp32, tokenizer, profile_on_start=True)
     buckets, ctxs = [1, 2, 4, 8], [256, 507]  # B ≤ 2 requests × (1+γ); 1024 clipped to 512 − γ − 2
     per_cell = sp.DEFAULT_WARMUP + sp.DEFAULT_REPEATS
-    assert len(fake_round.calls) == len(buckets) * len(ctxs) * per_cell
+    # one table for sampled batches (T = 1) and one for greedy batches (T = 0)
+    assert len(fake_round.calls) == len(buckets) * len(ctxs) * per_cell * len(sp.PROFILE_TEMPERATURES)
+    greedy = engine.speculator.sps_table_greedy
+    assert greedy.key == sp.sps_cache_key(engine.config, engine.model, engine.speculator, 0.0)
+    assert greedy.key["temperature"] == 0.0
     assert sorted(set(fake_round.calls)) == sorted((b, c) for b in buckets for c in ctxs)
     table = engine.speculator.sps_table
     assert list(table.buckets) == buckets and list(table.context_lens) == ctxs
@@ -129,7 +133,8 @@ def test_cache_key_mismatch_reprofiles(target_fp32, tokenizer, fake_round):
     assert n > 0
     other = make(target_fp32, tokenizer, profile_on_start=True, num_speculative_tokens=2)  # γ differs
     assert sp.profile_buckets(2, 2) == [1, 2, 4, 6]
-    assert len(fake_round.calls) == n + 4 * 2 * 4  # 4 buckets × 2 contexts × (1 warm-up + 3 repeats)
+    # 4 buckets × 2 contexts × (warm-up + repeats) × 2 temperatures
+    assert len(fake_round.calls) == n + 4 * 2 * (sp.DEFAULT_WARMUP + sp.DEFAULT_REPEATS) * 2
     assert other.speculator.sps_table.key["gamma"] == 2
     # a cache file whose stored key differs (hand-edited) is not trusted
     key = sp.sps_cache_key(other.config, other.model, other.speculator)

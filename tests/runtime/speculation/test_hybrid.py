@@ -1,0 +1,137 @@
+"""The hybrid proposer (n-gram draft where it is likely accepted, else DSpark), its n-gram
+calibration, and the lazily committed drafter context (runtime/speculation/speculator.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.interface import GenerationRequest, SamplingParams, TextDelta
+from runtime.speculation import speculator as sp_mod
+from runtime.speculation.prompt_lookup import NgramIndex, ngram_survival, propose_ngram
+from training.ngram import count_acceptance
+
+
+@pytest.mark.parametrize("max_ngram", [1, 3, 5])
+def test_ngram_index_proposes_what_the_scan_proposes(max_ngram):
+    rng = random.Random(max_ngram)
+    for trial in range(30):
+        toks = [rng.randrange(4 + trial % 5) for _ in range(rng.randrange(1, 120))]  # small vocab: many repeats
+        idx = NgramIndex(max_ngram=max_ngram)
+        for L in range(1, len(toks) + 1):
+            idx.extend(toks[L - 1 : L])
+            prop, n = idx.propose(4)
+            assert prop == propose_ngram(toks[:L], 4, max_ngram=max_ngram)
+            if prop:  # n is the longest suffix that occurred earlier with a continuation
+                assert toks[L - n : L] in [toks[i : i + n] for i in range(L - n)]
+    assert NgramIndex().propose(0) == ([], 0)
+    with pytest.raises(ValueError):
+        NgramIndex(max_ngram=2, min_ngram=3)
+
+
+def test_count_acceptance_counts_by_match_length_and_position():
+    #           prompt | response: 1 2 3 1 2 4
+    seq = [1, 2, 3] + [1, 2, 4]
+    tried, acc = count_acceptance([seq], [3], gamma=3, max_ngram=2)
+    # p=3 (anchor 3): "3" never seen before → no draft. p=4 (anchor 1): 1-gram "1" → [2, 3, 1]:
+    # 2 accepted, 3 ≠ 4 rejected. p=5 (anchor 2): 2-gram "1 2" → [3, 1, 2]: 3 ≠ 4 rejected.
+    assert tried[1].tolist() == [1, 1, 0] and acc[1].tolist() == [1, 0, 0]
+    assert tried[2].tolist() == [1, 0, 0] and acc[2].tolist() == [0, 0, 0]
+
+
+def test_committed_calibration_is_sane():
+    c = ngram_survival()
+    assert sorted(c) == list(range(1, sp_mod.HYBRID_MAX_NGRAM + 1))
+    assert all(0.0 <= x <= 1.0 for row in c.values() for x in row)
+    firsts = [c[n][0] for n in sorted(c)]
+    assert firsts == sorted(firsts) and firsts[-1] > firsts[0] + 0.3  # longer matches are accepted more often
+
+
+def run(model, tokenizer, prompts, setup=None, **cfg):
+    events: dict[str, list] = {}
+    engine = LLMEngine(EngineConfig(**{"dtype": "float32", "max_batch_size": len(prompts), "max_context": 1024,
+                                       "request_timeout_s": 3600.0, **cfg}),
+                       lambda rid, ev: events.setdefault(rid, []).append(ev), model=model, tokenizer=tokenizer)
+    if setup is not None:
+        setup(engine)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=48)))
+    while engine.has_work():
+        engine.step()
+    return engine, {k: [t for e in v if isinstance(e, TextDelta) for t in e.token_ids] for k, v in events.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    def ids(text):
+        s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(s, add_special_tokens=False)
+
+    return [ids("List the days of the week twice."),
+            ids("Write a haiku about autumn leaves.")]
+
+
+def test_hybrid_uses_both_proposers_and_equals_plain_decoding(target_fp32, tokenizer, prompts):
+    """T = 0, every draft verified: the repeating request mostly takes n-gram drafts, both
+    proposers appear, the DSpark share follows the rule (n-gram iff its calibrated c₁ is at
+    least the request's DSpark estimate), and the text is plain decoding's."""
+    _, plain = run(target_fp32, tokenizer, prompts)
+    seen = []
+
+    def setup(engine):
+        spec = engine.speculator
+        record = spec.record_outcome
+
+        def spy(seqs, proposal, accepted):
+            seen.append([(s.request.request_id, d, n) for s, d, n in zip(seqs, proposal.from_drafter, proposal.drafted)])
+            record(seqs, proposal, accepted)
+
+        spec.record_outcome = spy
+
+    engine, spec = run(target_fp32, tokenizer, prompts, setup, spec_method="hybrid", spec_policy="fixed")
+    assert spec == plain
+    by_req = {"0": [0, 0], "1": [0, 0]}  # [n-gram rounds, DSpark rounds]
+    for rnd in seen:
+        for rid, from_drafter, drafted in rnd:
+            by_req[rid][from_drafter] += 1
+    assert by_req["0"][0] > by_req["0"][1] > 0, by_req  # the repetition: mostly n-gram drafts
+    assert by_req["1"][1] > 0, by_req
+    assert engine.spec_steps > 0
+
+
+def test_lazy_commit_batches_the_draft_context(target_fp32, tokenizer, prompts):
+    """Plain steps (gate forced) run no drafter-context call; the next drafting step commits
+    every queued position in one call, and the output is still plain decoding's."""
+    _, plain = run(target_fp32, tokenizer, prompts[1:])
+    calls = []
+
+    class EveryFourth:
+        n = 0
+
+        def speculate(self, num_seqs):
+            self.n += 1
+            return self.n % 4 == 0
+
+        def record(self, *a):
+            pass
+
+    def setup(engine):
+        engine.gate = EveryFourth()
+        spec = engine.speculator
+        extend = spec.extend_context
+
+        def spy(taps, slots, counts):
+            calls.append(list(counts))
+            extend(taps, slots, counts)
+
+        spec.extend_context = spy
+
+    engine, spec = run(target_fp32, tokenizer, prompts[1:], setup, spec_method="dspark", spec_policy="fixed")
+    assert spec == plain
+    decode_calls = calls[1:]  # the first commits the prompt (prefill)
+    assert len(decode_calls) <= engine.spec_steps + 1  # one flush per drafting step (+ none at the end)
+    assert max(c[0] for c in decode_calls) >= 3  # three plain steps' positions in one call
+    assert engine.gated_steps >= 3 * (engine.spec_steps - 1)

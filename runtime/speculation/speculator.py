@@ -53,6 +53,8 @@ LAZY_COMMIT_MAX = 32
 HYBRID_MAX_NGRAM = 5
 #: pseudo-rounds of the drafter's prior first-position acceptance in a request's estimate
 A1_PRIOR_WEIGHT = 4
+#: pseudo-rounds at the calibrated rate in a request's n-gram acceptance scale (hybrid)
+NGRAM_PRIOR_WEIGHT = 2.0
 #: the committed drafter's first-position acceptance at T = 0 on prompts it never saw
 #: (docs/drafter.md, eval protocol: 0.35–0.45 by task): a request's estimate before its own rounds
 DRAFTER_A1_PRIOR = 0.4
@@ -74,6 +76,7 @@ class Proposal:
         gamma: drafted block size γ this step.
         from_drafter: per sequence, whether its draft came from the DSpark drafter (``hybrid``:
             the others are n-gram drafts); ``None`` for the single-proposer methods.
+        match_lengths: per sequence, the n-gram match length n of its n-gram draft (0: none or DSpark).
     """
 
     lengths: list[int]
@@ -82,6 +85,7 @@ class Proposal:
     probs: torch.Tensor | None
     gamma: int
     from_drafter: list[bool] | None = None
+    match_lengths: list[int] | None = None
 
 
 class Speculator:
@@ -139,6 +143,7 @@ class Speculator:
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> taps queued for the draft context
         self._ngram_index: dict[int, NgramIndex] = {}
         self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
+        self._ngram_counts: dict[int, tuple[float, float]] = {}  # slot -> (n-gram x_1 accepted, Σ calibrated c_1)
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):
@@ -187,6 +192,7 @@ class Speculator:
         self._pending.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
+        self._ngram_counts.pop(slot, None)
         if self.dcache is None:
             return
         if num_restored == 0:
@@ -218,7 +224,7 @@ class Speculator:
         # Which proposer each sequence uses is decided before anything is drafted, from past
         # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
         use = [i for i, (toks, n) in enumerate(ngrams)
-               if use_drafter and (not toks or self.ngram_conf[n][0] < self._dspark_a1(seqs[i].slot))]
+               if use_drafter and (not toks or self._ngram_c1(seqs[i].slot, n) < self._dspark_a1(seqs[i].slot))]
         if not use and not any(t for t, _ in ngrams):
             return None
         return self._propose_blocks(seqs, sampling, ngrams, use)
@@ -241,7 +247,7 @@ class Speculator:
                 conf.append(dconf[where[i]])
             else:
                 toks, n = ngrams[i]
-                conf.append(self.ngram_conf[n][: len(toks)] if toks else [])
+                conf.append([self._ngram_c1(seqs[i].slot, n)] + self.ngram_conf[n][1 : len(toks)] if toks else [])
         weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
         ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
         table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
@@ -257,7 +263,8 @@ class Speculator:
                 drafted.append(len(ngrams[i][0]))
         # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
         probs = None if sampling.greedy else self._draft_probs(ds, drafted_rows, tokens, lengths)
-        return Proposal(lengths, drafted, tokens, probs, self.gamma, [i in picked for i in range(len(seqs))])
+        return Proposal(lengths, drafted, tokens, probs, self.gamma, [i in picked for i in range(len(seqs))],
+                        [0 if i in picked else ngrams[i][1] for i in range(len(seqs))])
 
     def _draft_probs(self, ds, drafted_rows: list[int], tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """p_d rows fp32 ``[Σ ℓ_r, V]`` in request order: the drafter's for drafted rows, one-hot for n-gram rows."""
@@ -290,14 +297,28 @@ class Speculator:
         hits, rounds = self._a1_counts.get(slot, (0, 0))
         return (hits + A1_PRIOR_WEIGHT * self.a1_prior) / (rounds + A1_PRIOR_WEIGHT)
 
+    def _ngram_c1(self, slot: int, n: int) -> float:
+        """Calibrated first-position acceptance of an n-gram draft of match length n, scaled by
+        how the request's own n-gram drafts fared against calibration so far (past rounds
+        only; :data:`NGRAM_PRIOR_WEIGHT` pseudo-rounds at the calibrated rate)."""
+        hits, expected = self._ngram_counts.get(slot, (0.0, 0.0))
+        factor = (hits + NGRAM_PRIOR_WEIGHT) / (expected + NGRAM_PRIOR_WEIGHT)
+        return min(1.0, self.ngram_conf[n][0] * factor)
+
     def record_outcome(self, seqs: list[SequenceState], proposal: "Proposal", accepted: Sequence[int]) -> None:
-        """Fold a verified round into each DSpark-drafted request's acceptance (hybrid's choice)."""
-        if proposal.from_drafter is None:
+        """Fold a verified round into each request's record of its proposers (hybrid's choice):
+        DSpark first-position hits per drafted round, n-gram first-position hits vs calibration."""
+        if proposal.from_drafter is None or self.method != "hybrid":
             return
-        for s, mine, ell, acc in zip(seqs, proposal.from_drafter, proposal.lengths, accepted):
-            if mine and ell > 0:
+        for s, mine, ell, acc, n in zip(seqs, proposal.from_drafter, proposal.lengths, accepted, proposal.match_lengths):
+            if ell == 0:
+                continue
+            if mine:
                 hits, rounds = self._a1_counts.get(s.slot, (0, 0))
                 self._a1_counts[s.slot] = (hits + (acc > 0), rounds + 1)
+            else:
+                hits, expected = self._ngram_counts.get(s.slot, (0.0, 0.0))
+                self._ngram_counts[s.slot] = (hits + (acc > 0), expected + self.ngram_conf[n][0])
 
     def draft(self, anchors: torch.Tensor, slots: Sequence[int], sampling: SamplingBatch):
         """γ draft tokens per sequence with confidences: the fused CPU drafter
@@ -365,3 +386,4 @@ class Speculator:
         self._pending.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
+        self._ngram_counts.pop(slot, None)

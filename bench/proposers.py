@@ -45,12 +45,12 @@ DEFAULT_CONFIGS = ("none", "prompt_lookup:fixed", "dspark:fixed", "hybrid:fixed"
                    "hybrid:dspark-sla+gate")
 
 
-def engine_config(name: str, dtype: str, gamma: int) -> EngineConfig:
-    """``METHOD[:POLICY][+gate]`` → an engine config (max batch 1, prefix cache off: every prompt is new)."""
+def engine_config(name: str, dtype: str, gamma: int, batch: int = 1) -> EngineConfig:
+    """``METHOD[:POLICY][+gate]`` → an engine config (prefix cache off: every prompt is new)."""
     gate = name.endswith("+gate")
     method, _, policy = name.removesuffix("+gate").partition(":")
     return EngineConfig(dtype=dtype, spec_method=method, spec_policy=policy or "dspark-sla", spec_gate=gate,
-                        num_speculative_tokens=gamma, max_batch_size=1, request_timeout_s=3600.0,
+                        num_speculative_tokens=gamma, max_batch_size=batch, request_timeout_s=3600.0,
                         prefix_cache_blocks=0, profile_on_start=method != "none")
 
 
@@ -60,6 +60,25 @@ class Runner:
     def __init__(self, cfg: EngineConfig, model=None, tokenizer=None) -> None:
         self.events: list = []
         self.engine = LLMEngine(cfg, lambda rid, ev: self.events.append(ev), model=model, tokenizer=tokenizer)
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """All ``prompts`` at once (c = len(prompts)): aggregate tok/s = completion tokens / wall,
+        per-user tok/s per request; the engine's decode rounds and verified rows."""
+        self.events = []
+        eng = self.engine
+        steps0, rows0 = eng.decode_steps, eng.verify_tokens
+        for i, ids in enumerate(prompts):
+            eng.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                          ignore_eos=True)))
+        t0 = time.perf_counter()
+        while eng.has_work():
+            eng.step()
+        wall = time.perf_counter() - t0
+        fins = [e for e in self.events if isinstance(e, Finished)]
+        tokens = sum(f.completion_tokens for f in fins)
+        users = [(f.completion_tokens - 1) / (f.timings.last_token - f.timings.first_token) for f in fins]
+        return {"aggregate_tok_s": tokens / wall, "per_user_p50": statistics.median(users),
+                "rounds": eng.decode_steps - steps0, "rows": eng.verify_tokens - rows0}
 
     def generate(self, ids: list[int], max_tokens: int) -> dict:
         self.events = []
@@ -99,6 +118,30 @@ def summarise(rows: list[dict], base: list[dict]) -> dict:
     return res
 
 
+def concurrent(args, configs: list[str], runners: dict, tok) -> int:
+    """``--concurrency`` c > 1: per batch of c fresh prompts (from ``--tasks`` in turn), every
+    config in rotated order; per config the median over batches and the per-batch ratio to plain."""
+    pool = [t for task in args.tasks for t in first_turns(task)]
+    rows: dict[str, list[dict]] = {c: [] for c in configs}
+    for b in range(args.batches):
+        texts = pool[b * args.concurrency : (b + 1) * args.concurrency]
+        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for t in texts]
+        for c in configs[b % len(configs):] + configs[: b % len(configs)]:
+            rows[c].append(runners[c].generate_batch(ids, args.max_tokens))
+    out = {"concurrency": args.concurrency, "batches": args.batches, "max_tokens": args.max_tokens, "configs": {}}
+    for c in configs:
+        r = rows[c]
+        out["configs"][c] = {
+            "aggregate_tok_s_p50": round(statistics.median(x["aggregate_tok_s"] for x in r), 1),
+            "per_user_p50": round(statistics.median(x["per_user_p50"] for x in r), 1),
+            "aggregate_vs_plain": [round(x["aggregate_tok_s"] / y["aggregate_tok_s"], 3) for x, y in zip(r, rows["none"])],
+            "rows_per_round": round(sum(x["rows"] for x in r) / max(sum(x["rounds"] for x in r), 1), 2),
+        }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["mt-bench", "gsm8k", "humaneval", "mbpp", "math500"])
@@ -107,16 +150,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="> 1: batches of this many prompts at once (EOS ignored), aggregate and per-user tok/s")
+    ap.add_argument("--batches", type=int, default=3, help="with --concurrency: interleaved batches per config")
     args = ap.parse_args(argv)
     dtype = resolve_dtype(args.dtype)
     configs = ["none"] + [c for c in args.configs if c != "none"]
-    first = Runner(engine_config(configs[0], dtype, args.gamma))
+    first = Runner(engine_config(configs[0], dtype, args.gamma, args.concurrency))
     runners = {configs[0]: first}
     for c in configs[1:]:
-        runners[c] = Runner(engine_config(c, dtype, args.gamma), model=first.engine.model, tokenizer=first.engine.tokenizer)
+        runners[c] = Runner(engine_config(c, dtype, args.gamma, args.concurrency), model=first.engine.model, tokenizer=first.engine.tokenizer)
     tok = first.engine.tokenizer
     for r in runners.values():  # warm-up: kernel builds, first-call costs (prompt not measured)
         r.generate(tok.encode("Hello!", add_special_tokens=False), 8)
+    if args.concurrency > 1:
+        return concurrent(args, configs, runners, tok)
     results: dict[str, dict[str, list[dict]]] = {c: {} for c in configs}
     t0 = time.time()
     for task in args.tasks:

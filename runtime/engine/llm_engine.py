@@ -116,7 +116,8 @@ class LLMEngine:
                 sps_profiler.ensure_profiled(config, self.model, self.speculator,
                                              lambda t: sps_profiler.make_round_fn(self.model, self.speculator, self.cache, t))
         # Speculate or decode plainly, per step, by measured speed (runtime/speculation/gate.py).
-        self.gate = SpecGate() if (self.speculator is not None and config.spec_gate) else None
+        # hybrid decides drafting per request inside its budget (Speculator._worth_drafting): no gate.
+        self.gate = SpecGate() if (self.speculator is not None and config.spec_gate and not self.speculator.free_drafts) else None
         self.forward_steps = 0
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts

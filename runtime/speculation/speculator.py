@@ -29,6 +29,8 @@ of draft enter ONE verification budget (Alg. 1) with their calibrated survival p
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -58,6 +60,8 @@ NGRAM_PRIOR_WEIGHT = 2.0
 #: the committed drafter's first-position acceptance at T = 0 on prompts it never saw
 #: (docs/drafter.md, eval protocol: 0.35–0.45 by task): a request's estimate before its own rounds
 DRAFTER_A1_PRIOR = 0.4
+#: weight of a new measurement in the moving average of drafting seconds per request
+DRAFT_COST_ALPHA = 0.1
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 #: the rank-0 (parallel-only) ablation, trained beside the default on the same data and budget
 PARALLEL_CHECKPOINT = DEFAULT_CHECKPOINT.parent / "parallel"
@@ -140,6 +144,8 @@ class Speculator:
         if self.method == "hybrid" and sorted(self.ngram_conf) != list(range(1, self.max_ngram + 1)):
             raise ValueError(f"n-gram calibration covers n={sorted(self.ngram_conf)}, hybrid needs 1..{self.max_ngram}")
         self.a1_prior = DRAFTER_A1_PRIOR
+        #: drafting seconds per drafted request, a moving average of measured drafts (0 until the first)
+        self.draft_seconds = 0.0
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> taps queued for the draft context
         self._ngram_index: dict[int, NgramIndex] = {}
         self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
@@ -167,8 +173,9 @@ class Speculator:
 
     @property
     def free_drafts(self) -> bool:
-        """Whether steps the gate runs plainly may still verify drafts that cost no drafting
-        (``hybrid``'s n-gram continuations)."""
+        """``hybrid``: it verifies drafts that cost no drafting (n-gram continuations) and decides
+        per request, inside its budget, whether a DSpark draft pays (:meth:`_worth_drafting`);
+        the engine runs no speculation gate for it."""
         return self.method == "hybrid"
 
     def queued(self, slot: int) -> int:
@@ -223,11 +230,46 @@ class Speculator:
         ngrams = [self._ngram(s) for s in seqs]
         # Which proposer each sequence uses is decided before anything is drafted, from past
         # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
-        use = [i for i, (toks, n) in enumerate(ngrams)
-               if use_drafter and (not toks or self._ngram_c1(seqs[i].slot, n) < self._dspark_a1(seqs[i].slot))]
+        wanted = [i for i, (toks, n) in enumerate(ngrams)
+                  if use_drafter and (not toks or self._ngram_c1(seqs[i].slot, n) < self._dspark_a1(seqs[i].slot))]
+        use = self._worth_drafting(seqs, sampling, ngrams, wanted)
         if not use and not any(t for t, _ in ngrams):
             return None
         return self._propose_blocks(seqs, sampling, ngrams, use)
+
+    def _worth_drafting(self, seqs, sampling: SamplingBatch, ngrams, wanted: list[int]) -> list[int]:
+        """The requests of ``wanted`` whose DSpark draft is expected to pay for itself: the
+        verification budget's ℓ = 0 case decided BEFORE drafting (issue 28 item 3).
+
+        Alg. 1's greedy on each request's *estimated* first-position value w_r·â_r (â_r: its
+        DSpark acceptance so far, :meth:`_dspark_a1`) over the round time
+        ``1/SPS(B) + n·d`` (B verified rows, n drafted requests, d the measured drafting
+        seconds per request, :attr:`draft_seconds`): a request is drafted while adding it
+        (one more row, one more draft) raises expected tokens per second; the scan stops at
+        the first that does not. n-gram rows enter with their calibrated c₁ and no drafting
+        cost. Uses only past rounds and past tokens, never this round's drafts: the choice is
+        a constant stopping time of every draft (budget.py, Appendix A)."""
+        if not wanted:
+            return []
+        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
+        ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
+        weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
+        W = math.fsum(weights)
+        B = len(seqs)
+        for i, (toks, n) in enumerate(ngrams):  # free n-gram first rows the budget would take anyway
+            if toks and i not in wanted:
+                v = weights[i] * self._ngram_c1(seqs[i].slot, n)
+                if (W + v) * table.sps(B + 1, ctx) > W * table.sps(B, ctx):
+                    W, B = W + v, B + 1
+        t_round = 1.0 / table.sps(B, ctx)
+        chosen = []
+        for v, i in sorted(((weights[i] * self._dspark_a1(seqs[i].slot), i) for i in wanted), reverse=True):
+            t_next = 1.0 / table.sps(B + 1, ctx) + (len(chosen) + 1) * self.draft_seconds
+            if not (W + v) / t_next > W / (t_round + len(chosen) * self.draft_seconds):
+                break
+            chosen.append(i)
+            W, B, t_round = W + v, B + 1, 1.0 / table.sps(B + 1, ctx)
+        return sorted(chosen)
 
     def _propose_blocks(self, seqs, sampling: SamplingBatch, ngrams, drafted_rows: list[int]) -> Proposal:
         """DSpark-draft ``drafted_rows``; the other rows propose their n-gram draft (may be empty);
@@ -238,7 +280,10 @@ class Speculator:
             sub = [seqs[i] for i in drafted_rows]
             self.flush([s.slot for s in sub])  # the drafter reads the whole committed context
             anchors = torch.tensor([s.last_token for s in sub], dtype=torch.long)
+            t0 = time.perf_counter()
             ds = self.draft(anchors, [s.slot for s in sub], sampling.select(drafted_rows))
+            per_seq = (time.perf_counter() - t0) / len(sub)  # measured, for later rounds' choices only
+            self.draft_seconds += DRAFT_COST_ALPHA * (per_seq - self.draft_seconds)
         conf: list[list[float]] = []
         where = {i: j for j, i in enumerate(drafted_rows)}
         dconf = ds.confidence.tolist() if ds is not None else []

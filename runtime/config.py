@@ -75,7 +75,8 @@ class EngineConfig:
             speed of past steps — whether to speculate or run a plain AR step
             (:class:`runtime.speculation.gate.SpecGate`; lossless). ``False`` → every step
             with decoding sequences drafts (the behaviour before the gate). Ignored
-            when ``spec_method`` is ``"none"``.
+            when ``spec_method`` is ``"none"`` or ``"hybrid"`` (which decides per request,
+            inside its verification budget, whether a draft pays).
     """
 
     dtype: str = "auto"

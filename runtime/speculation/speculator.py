@@ -153,10 +153,12 @@ class Speculator:
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):
-        """(drafter, its checkpoint directory or ``None`` when randomly initialised)."""
+        """(drafter, its checkpoint directory).
+
+        Raises:
+            ValueError: no checkpoint at the path (explicit or committed), or one of the wrong kind.
+        """
         from runtime.speculation.checkpoint import load_drafter
-        from runtime.speculation.config import DrafterConfig
-        from runtime.speculation.drafter import DSparkDrafter
 
         rank0 = config.spec_method == "parallel"
         # Committed: the DSpark drafter (Markov rank 64) and its rank-0 ablation.
@@ -167,9 +169,11 @@ class Speculator:
                 raise ValueError(f"checkpoint {path} has markov_rank {drafter.cfg.markov_rank}; spec_method {config.spec_method}")
             log.info("loaded drafter %s", path)
             return drafter, path
-        log.warning("no drafter checkpoint at %s: using a RANDOMLY initialised drafter (lossless, low acceptance)", path)
-        cfg = DrafterConfig(block_size=max(config.num_speculative_tokens, 1), markov_rank=0 if rank0 else 64, init_seed=config.seed)
-        return DSparkDrafter(target, cfg), None
+        if config.draft_checkpoint:
+            raise ValueError(f"draft_checkpoint (SPARKGATE_DRAFT_CHECKPOINT) {str(path)!r} holds no config.json: "
+                             "not a drafter checkpoint")
+        raise ValueError(f"the committed drafter checkpoint {str(path)!r} is missing (spec_method "
+                         f"{config.spec_method!r}); restore it from git or set SPARKGATE_DRAFT_CHECKPOINT")
 
     @property
     def free_drafts(self) -> bool:

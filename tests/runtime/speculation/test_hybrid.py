@@ -135,3 +135,12 @@ def test_lazy_commit_batches_the_draft_context(target_fp32, tokenizer, prompts):
     assert len(decode_calls) <= engine.spec_steps + 1  # one flush per drafting step (+ none at the end)
     assert max(c[0] for c in decode_calls) >= 3  # three plain steps' positions in one call
     assert engine.gated_steps >= 3 * (engine.spec_steps - 1)
+
+
+@pytest.mark.parametrize("bad", [dict(draft_checkpoint="no/such/dir"), dict(spec_method="nope"),
+                                 dict(spec_policy="nope")])
+def test_a_wrong_method_policy_or_checkpoint_is_a_start_up_error(target_fp32, tokenizer, bad, tmp_path):
+    cfg = {"dtype": "float32", "max_batch_size": 1, "spec_method": "hybrid", **bad}
+    words = {"draft_checkpoint": "SPARKGATE_DRAFT_CHECKPOINT", "spec_method": "spec_method", "spec_policy": "spec_policy"}
+    with pytest.raises(ValueError, match=words[next(iter(bad))]):
+        LLMEngine(EngineConfig(**cfg), lambda rid, ev: None, model=target_fp32, tokenizer=tokenizer)

@@ -123,19 +123,18 @@ def test_mixed_round_leaves_unseeded_requests_to_rejection_sampling():
 def test_served_gguf_dtype_same_text_solo_batched_and_with_speculation(model_dir, tokenizer, seeded, gguf_kernel):
     """The served dtype where its kernel runs: the gguf path is row-invariant
     (tests/runtime/kernels/test_row_invariance.py), so a seeded reply is the same alone,
-    among 15 other requests, from the prefix cache, under DSpark (the fused drafter, whose
-    drafts only change how many tokens a round accepts) and under prompt lookup."""
+    among 15 other requests, from the prefix cache, and under the hybrid proposer (DSpark's fused
+    drafter and prompt lookup; drafts only change how many tokens a round accepts)."""
     from runtime.models.llama import load_llama
 
     model = load_llama(model_dir, "gguf")
     (batched, cached), _ = generate(model, tokenizer, seeded, passes=2, dtype="gguf")
     assert cached == batched
-    (spec,), engine = generate(model, tokenizer, seeded, dtype="gguf", spec_method="dspark", spec_gate=False,
+    # hybrid with every draft verified: fused DSpark blocks and n-gram drafts in the same rounds
+    (spec,), engine = generate(model, tokenizer, seeded, dtype="gguf", spec_method="hybrid",
                                spec_policy="fixed", num_speculative_tokens=4)
     assert engine.spec_steps > 0 and engine.speculator.fast is not None
     assert spec == batched
-    (lookup,), _ = generate(model, tokenizer, seeded, dtype="gguf", spec_method="prompt_lookup", spec_gate=False)
-    assert lookup == batched
     others = [(f"o{i}", chat_ids(tokenizer, f"List {i + 3} fruits."), SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS))
               for i in range(15)]
     (mixed,), _ = generate(model, tokenizer, others + seeded, dtype="gguf")

@@ -41,6 +41,7 @@ class FakeRound:
 def fake_round(monkeypatch, tmp_path):
     """Empty SPS cache dir + make_round_fn → FakeRound (records every call)."""
     monkeypatch.setattr(sp, "sps_cache_dir", lambda: tmp_path / "sps")
+    monkeypatch.setattr(sp, "GLOBAL_WARMUP_S", 0.0)  # the fake needs no warming (calls are counted below)
     fake = FakeRound()
     monkeypatch.setattr(sp, "make_round_fn", lambda model, speculator, cache, temperature=1.0: fake)
     return fake

@@ -17,8 +17,10 @@ Configurations (``--configs``; ``METHOD[:POLICY][+gate]``):
 * ``dspark:dspark-sla+gate``, ``hybrid:dspark-sla+gate`` — as served: the budget (Alg. 1 on
   the SPS table) and the speculation gate.
 
-Temperature 0, ``--max-tokens`` (128) tokens with EOS allowed, the served dtype. At T = 0 every
-configuration's text must equal plain decoding's (checked, reported as ``texts_equal``).
+Temperature 0 (``--temperature``), ``--max-tokens`` (128) tokens with EOS allowed, the served
+dtype. At T = 0 every configuration's text must equal plain decoding's (checked, reported as
+``texts_equal``). ``--concurrency c`` > 1: batches of c fresh prompts at once (EOS ignored),
+aggregate and per-user tok/s per config, interleaved per batch.
 Prints one JSON document.
 
     .venv/bin/python bench/proposers.py [--per-task 8] [--tasks mt-bench gsm8k humaneval]
@@ -57,8 +59,9 @@ def engine_config(name: str, dtype: str, gamma: int, batch: int = 1) -> EngineCo
 class Runner:
     """One engine; :meth:`generate` runs one request to completion and returns its numbers."""
 
-    def __init__(self, cfg: EngineConfig, model=None, tokenizer=None) -> None:
+    def __init__(self, cfg: EngineConfig, model=None, tokenizer=None, temperature: float = 0.0) -> None:
         self.events: list = []
+        self.temperature = temperature
         self.engine = LLMEngine(cfg, lambda rid, ev: self.events.append(ev), model=model, tokenizer=tokenizer)
 
     def generate_batch(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -68,8 +71,8 @@ class Runner:
         eng = self.engine
         steps0, rows0 = eng.decode_steps, eng.verify_tokens
         for i, ids in enumerate(prompts):
-            eng.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                          ignore_eos=True)))
+            eng.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=self.temperature,
+                                                                          max_tokens=max_tokens, ignore_eos=True)))
         t0 = time.perf_counter()
         while eng.has_work():
             eng.step()
@@ -83,7 +86,7 @@ class Runner:
     def generate(self, ids: list[int], max_tokens: int) -> dict:
         self.events = []
         eng = self.engine
-        eng.add_request(GenerationRequest("r", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        eng.add_request(GenerationRequest("r", ids, SamplingParams(temperature=self.temperature, max_tokens=max_tokens),
                                           return_spec_stats=True))
         while eng.has_work():
             eng.step()
@@ -129,7 +132,7 @@ def concurrent(args, configs: list[str], runners: dict, tok) -> int:
                                                   tokenize=False), add_special_tokens=False) for t in texts]
         for c in configs[b % len(configs):] + configs[: b % len(configs)]:
             rows[c].append(runners[c].generate_batch(ids, args.max_tokens))
-    out = {"concurrency": args.concurrency, "batches": args.batches, "max_tokens": args.max_tokens, "configs": {}}
+    out = {"concurrency": args.concurrency, "temperature": args.temperature, "batches": args.batches, "max_tokens": args.max_tokens, "configs": {}}
     for c in configs:
         r = rows[c]
         out["configs"][c] = {
@@ -150,16 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: texts differ, texts_equal is not a check")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="> 1: batches of this many prompts at once (EOS ignored), aggregate and per-user tok/s")
     ap.add_argument("--batches", type=int, default=3, help="with --concurrency: interleaved batches per config")
     args = ap.parse_args(argv)
     dtype = resolve_dtype(args.dtype)
     configs = ["none"] + [c for c in args.configs if c != "none"]
-    first = Runner(engine_config(configs[0], dtype, args.gamma, args.concurrency))
+    first = Runner(engine_config(configs[0], dtype, args.gamma, args.concurrency), temperature=args.temperature)
     runners = {configs[0]: first}
     for c in configs[1:]:
-        runners[c] = Runner(engine_config(c, dtype, args.gamma, args.concurrency), model=first.engine.model, tokenizer=first.engine.tokenizer)
+        runners[c] = Runner(engine_config(c, dtype, args.gamma, args.concurrency), model=first.engine.model, tokenizer=first.engine.tokenizer,
+                            temperature=args.temperature)
     tok = first.engine.tokenizer
     for r in runners.values():  # warm-up: kernel builds, first-call costs (prompt not measured)
         r.generate(tok.encode("Hello!", add_special_tokens=False), 8)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             order = configs[i % len(configs):] + configs[: i % len(configs)]
             for c in order:
                 results[c].setdefault(task, []).append(runners[c].generate(ids, args.max_tokens))
-    out = {"dtype": dtype, "gamma": args.gamma, "max_tokens": args.max_tokens, "per_task": args.per_task,
+    out = {"dtype": dtype, "gamma": args.gamma, "temperature": args.temperature, "max_tokens": args.max_tokens, "per_task": args.per_task,
            "wall_s": round(time.time() - t0, 1), "tasks": {}}
     for task in args.tasks:
         base = results["none"][task]

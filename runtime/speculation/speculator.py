@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
 #: a slot's queued draft-context positions that force a flush (:meth:`Speculator.commit`)
-LAZY_COMMIT_MAX = 32
+LAZY_COMMIT_MAX = 64
 #: n-gram sizes the hybrid proposer tries (longest first); its calibration has a row per n
 HYBRID_MAX_NGRAM = 5
 #: pseudo-rounds of the drafter's prior first-position acceptance in a request's estimate
@@ -146,7 +146,9 @@ class Speculator:
         self.a1_prior = DRAFTER_A1_PRIOR
         #: drafting seconds per drafted request, a moving average of measured drafts (0 until the first)
         self.draft_seconds = 0.0
+        self._drafts_timed = 0
         self._pending: dict[int, list[torch.Tensor]] = {}  # slot -> taps queued for the draft context
+        self._queued: dict[int, int] = {}  # slot -> positions in _pending
         self._ngram_index: dict[int, NgramIndex] = {}
         self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
         self._ngram_counts: dict[int, tuple[float, float]] = {}  # slot -> (n-gram x_1 accepted, Σ calibrated c_1)
@@ -184,7 +186,7 @@ class Speculator:
 
     def queued(self, slot: int) -> int:
         """Positions of ``slot`` whose taps wait for the draft context (lazy commit)."""
-        return sum(t.shape[0] for t in self._pending.get(slot, ()))
+        return self._queued.get(slot, 0)
 
     # -- target-forward needs ------------------------------------------------------
     @property
@@ -201,6 +203,7 @@ class Speculator:
             RuntimeError: the draft context does not hold exactly ``num_restored`` positions.
         """
         self._pending.pop(slot, None)
+        self._queued.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
         self._ngram_counts.pop(slot, None)
@@ -287,7 +290,8 @@ class Speculator:
             t0 = time.perf_counter()
             ds = self.draft(anchors, [s.slot for s in sub], sampling.select(drafted_rows))
             per_seq = (time.perf_counter() - t0) / len(sub)  # measured, for later rounds' choices only
-            self.draft_seconds += DRAFT_COST_ALPHA * (per_seq - self.draft_seconds)
+            self._drafts_timed += 1  # a plain mean until 1/α samples, then exponential (as the gate's averages)
+            self.draft_seconds += max(DRAFT_COST_ALPHA, 1.0 / self._drafts_timed) * (per_seq - self.draft_seconds)
         conf: list[list[float]] = []
         where = {i: j for j, i in enumerate(drafted_rows)}
         dconf = ds.confidence.tolist() if ds is not None else []
@@ -407,14 +411,15 @@ class Speculator:
         a slot holding :data:`LAZY_COMMIT_MAX` positions is flushed at once (bounded memory)."""
         if self.drafter is None or verify_taps is None:
             return
-        taps = verify_taps[commit_rows]
+        # Queued in the drafter's dtype: both drafters cast the taps to it first (exact, half the memory).
+        taps = verify_taps[commit_rows].to(self.drafter.dtype)
         start, full = 0, []
         for s, n in zip(seqs, commit_counts):
             if n:
-                q = self._pending.setdefault(s.slot, [])
-                q.append(taps[start : start + n])
+                self._pending.setdefault(s.slot, []).append(taps[start : start + n])
                 start += n
-                if sum(t.shape[0] for t in q) >= LAZY_COMMIT_MAX:
+                self._queued[s.slot] = q = self._queued.get(s.slot, 0) + n
+                if q >= LAZY_COMMIT_MAX:
                     full.append(s.slot)
         if full:
             self.flush(full)
@@ -425,6 +430,8 @@ class Speculator:
         if not slots:
             return
         chunks = [torch.cat(self._pending.pop(s)) for s in slots]
+        for s in slots:
+            self._queued.pop(s, None)
         self.extend_context(torch.cat(chunks), slots, [c.shape[0] for c in chunks])
 
     def release(self, slot: int, keep_context: bool) -> None:
@@ -433,6 +440,7 @@ class Speculator:
         if keep_context:
             self.flush([slot])
         self._pending.pop(slot, None)
+        self._queued.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
         self._ngram_counts.pop(slot, None)

@@ -94,9 +94,9 @@ plain decoding's (:func:`test_gold_request_below_its_sla_target_gets_more_drafts
 Runtime (``time pytest -q`` of this file on the shared 2-core box, load average 1.6–3.6 from
 other jobs): 161 s wall, 162 s CPU (user 150 + sys 12) — setup 30 s (mostly the gguf load),
 the four runs 26–31 s each, judging < 1 s each, the SLA test 6.5 s. About 60 % of a run is
-the target's forwards (~1.5 rows per token); at load ≈ 0.3 the same engine served 416 such
-requests in 29 s (≈ 0.07 s per 15-token request), which puts the file at ≈ 90–100 s on an
-idle 2-core machine. N, and so the time, is set by the power against the planted bug.
+the target's forwards (~1.5 rows per token); at load ≈ 0.3 a DSpark engine of this kind
+(33-token prompt, γ = 4) served 416 requests in 29 s (≈ 0.07 s per 15-token request), which
+puts the file at ≈ 90–100 s on an idle 2-core machine. N, and so the time, is set by the power against the planted bug.
 """
 
 from __future__ import annotations

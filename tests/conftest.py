@@ -65,6 +65,15 @@ def target_fp32(model_dir):
 
 
 @pytest.fixture(scope="session")
+def target_gguf(model_dir):
+    """The served ``gguf`` target, loaded once per session (6–12 s a load). Callers that need
+    its kernels request ``gguf_kernel`` too; never mutate it (engines only set its kernel threads)."""
+    from runtime.models.llama import load_llama
+
+    return load_llama(model_dir, "gguf")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from transformers import AutoTokenizer
 

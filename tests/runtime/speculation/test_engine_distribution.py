@@ -580,10 +580,8 @@ def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def gguf_model(model_dir, gguf_kernel):
-    from runtime.models.llama import load_llama
-
-    return load_llama(model_dir, "gguf")
+def gguf_model(target_gguf, gguf_kernel):
+    return target_gguf
 
 
 @pytest.fixture(scope="module")

@@ -65,13 +65,12 @@ def test_committed_draft_vocab_is_reproducible():
 
 # -- on the real gguf target ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def setup(gguf_kernel, model_dir, tokenizer):
+def setup(gguf_kernel, target_gguf, tokenizer):
     from runtime.speculation.checkpoint import load_drafter
     from runtime.speculation.fast_drafter import FastDrafter
-    from runtime.models.llama import load_llama
     from runtime.speculation.speculator import DEFAULT_CHECKPOINT
 
-    target = load_llama(model_dir, "gguf")
+    target = target_gguf
     drafter = load_drafter(DEFAULT_CHECKPOINT, target)
     fast = FastDrafter(drafter, load_draft_vocab(DEFAULT_CHECKPOINT, V))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a hash map works in Python."}],

@@ -144,3 +144,55 @@ def test_a_wrong_method_policy_or_checkpoint_is_a_start_up_error(target_fp32, to
     words = {"draft_checkpoint": "SPARKGATE_DRAFT_CHECKPOINT", "spec_method": "spec_method", "spec_policy": "spec_policy"}
     with pytest.raises(ValueError, match=words[next(iter(bad))]):
         LLMEngine(EngineConfig(**cfg), lambda rid, ev: None, model=target_fp32, tokenizer=tokenizer)
+
+
+def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, tokenizer, prompts):
+    """T = 1 on the served path, n-gram and DSpark drafts in the same rounds: verification gets,
+    for every verified draft token, the distribution it was drawn from — one-hot on the n-gram
+    token, the drafter's p_d (positive at the token, zero off the draft vocabulary) for DSpark —
+    in request order. A misaligned row would bias every sampled reply (speculative sampling is
+    exact only under the p_d the token came from)."""
+    import runtime.engine.llm_engine as llm_engine
+
+    checked = {"ngram": 0, "dspark": 0, "mixed_rounds": 0}
+    proposals = []
+    real = llm_engine.spec_round
+
+    def spy(logits, draft_probs, draft_tokens, lengths, *args, **kw):
+        prop = proposals[-1]
+        row = 0
+        for i, ell in enumerate(lengths):
+            for k in range(ell):
+                p, x = draft_probs[row], int(draft_tokens[row])
+                assert x == prop.tokens[i][k]
+                if prop.from_drafter[i]:
+                    assert p[x] > 0 and abs(float(p.sum()) - 1) < 1e-4
+                    checked["dspark"] += 1
+                else:
+                    assert p[x] == 1.0 and float(p.sum()) == 1.0
+                    checked["ngram"] += 1
+                row += 1
+        kinds = {d for d, ell in zip(prop.from_drafter, lengths) if ell}
+        checked["mixed_rounds"] += len(kinds) == 2
+        return real(logits, draft_probs, draft_tokens, lengths, *args, **kw)
+
+    events: dict[str, list] = {}
+    engine = LLMEngine(EngineConfig(dtype="gguf", max_batch_size=4, max_context=1024, spec_method="hybrid",
+                                    spec_policy="fixed", request_timeout_s=3600.0),
+                       lambda rid, ev: events.setdefault(rid, []).append(ev), model=target_gguf, tokenizer=tokenizer)
+    propose = engine.speculator.propose
+
+    def keep(*a, **kw):
+        out = propose(*a, **kw)
+        if out is not None:
+            proposals.append(out)
+        return out
+
+    engine.speculator.propose = keep
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "spec_round", spy)
+        for i, ids in enumerate(prompts * 2):
+            engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=1.0, max_tokens=48)))
+        while engine.has_work():
+            engine.step()
+    assert checked["ngram"] >= 20 and checked["dspark"] >= 20 and checked["mixed_rounds"] >= 3, checked

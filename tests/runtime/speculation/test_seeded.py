@@ -120,14 +120,12 @@ def test_mixed_round_leaves_unseeded_requests_to_rejection_sampling():
     assert res.verify.next_tokens.tolist() == [int(alone.next_tokens[0]), int(seeded_alone.next_tokens[0])]
 
 
-def test_served_gguf_dtype_same_text_solo_batched_and_with_speculation(model_dir, tokenizer, seeded, gguf_kernel):
+def test_served_gguf_dtype_same_text_solo_batched_and_with_speculation(target_gguf, tokenizer, seeded, gguf_kernel):
     """The served dtype where its kernel runs: the gguf path is row-invariant
     (tests/runtime/kernels/test_row_invariance.py), so a seeded reply is the same alone,
     among 15 other requests, from the prefix cache, and under the hybrid proposer (DSpark's fused
     drafter and prompt lookup; drafts only change how many tokens a round accepts)."""
-    from runtime.models.llama import load_llama
-
-    model = load_llama(model_dir, "gguf")
+    model = target_gguf
     (batched, cached), _ = generate(model, tokenizer, seeded, passes=2, dtype="gguf")
     assert cached == batched
     # hybrid with every draft verified: fused DSpark blocks and n-gram drafts in the same rounds

@@ -308,14 +308,12 @@ def test_sampling_tensors_built_once_per_step(target_fp32, tokenizer, monkeypatc
 NEAR_TIE = 0.25  # fp32 logit units; see docs/benchmarks.md "bf16 divergences"
 
 
-def test_t0_speculative_equals_autoregressive_gguf(model_dir, tokenizer, prompts20, gguf_kernel):
+def test_t0_speculative_equals_autoregressive_gguf(target_gguf, tokenizer, prompts20, gguf_kernel):
     """gguf where its kernel runs: the served path is row-invariant (a token's logits do not
     depend on the verification width nor on the other requests in the step,
     tests/runtime/kernels/test_row_invariance.py), so at T = 0 speculation gives AR's
     tokens exactly, like fp32 — and so does a request served alone instead of in a batch of 21."""
-    from runtime.models.llama import load_llama
-
-    model = load_llama(model_dir, "gguf")
+    model = target_gguf
     sp = SamplingParams(temperature=0, max_tokens=64)
     _, ar, _, _ = run(model, tokenizer, prompts20, sp, dtype="gguf")
     # hybrid with every draft verified: fused DSpark blocks and n-gram drafts both go through verification

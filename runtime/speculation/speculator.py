@@ -322,15 +322,14 @@ class Speculator:
     def _draft_probs(self, ds, drafted_rows: list[int], tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """p_d rows fp32 ``[Σ ℓ_r, V]`` in request order: the drafter's for drafted rows, one-hot for n-gram rows."""
         dense = ds.dense_probs([lengths[i] for i in drafted_rows]) if ds is not None else None
-        parts, start, where = [], 0, {i: j for j, i in enumerate(drafted_rows)}
-        offsets = {}
-        for i in drafted_rows:  # row offsets of each drafted request inside ``dense``
+        parts, start, offsets = [], 0, {}
+        for i in drafted_rows:  # row offset of each drafted request inside ``dense``
             offsets[i] = start
             start += lengths[i]
         for i, l in enumerate(lengths):
             if l == 0:
                 continue
-            if i in where:
+            if i in offsets:
                 parts.append(dense[offsets[i] : offsets[i] + l])
             else:
                 parts.append(one_hot_probs(tokens[i], self.vocab_size))

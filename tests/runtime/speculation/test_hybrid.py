@@ -202,3 +202,27 @@ def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, to
             engine.step()
     print(checked)  # measured: 48 n-gram, 322 DSpark drafts verified, 14 rounds with both
     assert checked["ngram"] >= 30 and checked["dspark"] >= 200 and checked["mixed_rounds"] >= 8, checked
+
+
+@pytest.mark.parametrize("draft_seconds,drafts", [(1.0, False), (0.0, True)])
+def test_a_draft_that_cannot_pay_for_itself_is_not_drafted(target_fp32, tokenizer, prompts, monkeypatch,
+                                                            draft_seconds, drafts):
+    """The pre-draft budget (Speculator._worth_drafting): with a drafting cost of a whole second
+    per request no DSpark draft is ever made (and the text is plain decoding's); with a free draft
+    and flat round times every request that prefers DSpark is drafted."""
+    from runtime.speculation.sps import SpsTable
+
+    monkeypatch.setattr(sp_mod, "DRAFT_COST_ALPHA", 0.0)  # the cost stays what the test sets
+    calls = []
+
+    def setup(engine):
+        spec = engine.speculator
+        spec.draft_seconds, spec._drafts_timed = draft_seconds, 10**9
+        spec.sps_table = spec.sps_table_greedy = SpsTable([1, 64], [1024], [[100.0, 100.0]], note="test: flat")
+        draft = spec.draft
+        spec.draft = lambda *a: calls.append(len(a[1])) or draft(*a)
+
+    _, plain = run(target_fp32, tokenizer, prompts[1:])
+    engine, spec = run(target_fp32, tokenizer, prompts[1:], setup, spec_method="hybrid", spec_policy="dspark-sla")
+    assert spec == plain
+    assert (len(calls) > 10) if drafts else calls == [], calls

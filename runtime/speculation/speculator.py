@@ -92,6 +92,27 @@ class Proposal:
     match_lengths: list[int] | None = None
 
 
+@dataclass
+class _Round:
+    """One round's shared inputs to the drafting choice and the budget (:meth:`Speculator._round`).
+
+    Attributes:
+        sampling: the decoding rows' sampling parameters.
+        weights: SLA weight w_r per request (sla.py).
+        context_len: mean cached tokens per request (the SPS table's context axis).
+        table: the SPS table for this round's sampling mode.
+        ngrams: per request, (n-gram draft, match length n); empty drafts outside ``hybrid``.
+        ngram_c1: per request, the calibrated first-position acceptance of that draft (0.0: none).
+    """
+
+    sampling: SamplingBatch
+    weights: list[float]
+    context_len: float
+    table: SpsTable
+    ngrams: list[tuple[list[int], int]]
+    ngram_c1: list[float]
+
+
 class Speculator:
     """Draft model + context cache + verification-budget policy.
 
@@ -233,18 +254,34 @@ class Speculator:
         if self.method != "hybrid":
             if not use_drafter:
                 return None
-            return self._propose_blocks(seqs, sampling, [([], 0)] * len(seqs), list(range(len(seqs))))
-        ngrams = [self._ngram(s) for s in seqs]
+            return self._propose_blocks(seqs, self._round(seqs, sampling), list(range(len(seqs))))
+        rnd = self._round(seqs, sampling, [self._ngram(s) for s in seqs])
         # Which proposer each sequence uses is decided before anything is drafted, from past
         # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
-        wanted = [i for i, (toks, n) in enumerate(ngrams)
-                  if use_drafter and (not toks or self._ngram_c1(seqs[i].slot, n) < self._dspark_a1(seqs[i].slot))]
-        use = self._worth_drafting(seqs, sampling, ngrams, wanted)
-        if not use and not any(t for t, _ in ngrams):
+        wanted = [i for i, (toks, _) in enumerate(rnd.ngrams)
+                  if use_drafter and (not toks or rnd.ngram_c1[i] < self._dspark_a1(seqs[i].slot))]
+        use = self._worth_drafting(seqs, rnd, wanted)
+        if not use and not any(t for t, _ in rnd.ngrams):
             return None
-        return self._propose_blocks(seqs, sampling, ngrams, use)
+        return self._propose_blocks(seqs, rnd, use)
 
-    def _worth_drafting(self, seqs, sampling: SamplingBatch, ngrams, wanted: list[int]) -> list[int]:
+    def _round(self, seqs: list[SequenceState], sampling: SamplingBatch,
+               ngrams: list[tuple[list[int], int]] | None = None) -> "_Round":
+        """What one round's choices share, computed once: SLA weights, mean context, the SPS
+        table for this sampling mode (greedy rounds verify cheaper: sps_profiler.py) and each
+        request's n-gram draft with its calibrated first-position acceptance."""
+        ngrams = ngrams if ngrams is not None else [([], 0)] * len(seqs)
+        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
+        return _Round(
+            sampling=sampling,
+            weights=[sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs],
+            context_len=sum(s.num_cached for s in seqs) / max(len(seqs), 1),
+            table=table,
+            ngrams=ngrams,
+            ngram_c1=[self._ngram_c1(s.slot, n) if toks else 0.0 for s, (toks, n) in zip(seqs, ngrams)],
+        )
+
+    def _worth_drafting(self, seqs, rnd: "_Round", wanted: list[int]) -> list[int]:
         """The requests of ``wanted`` whose DSpark draft is expected to pay for itself: the
         verification budget's ℓ = 0 case decided BEFORE drafting (issue 28 item 3).
 
@@ -258,14 +295,12 @@ class Speculator:
         a constant stopping time of every draft (budget.py, Appendix A)."""
         if not wanted:
             return []
-        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
-        ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
-        weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
+        table, ctx, weights = rnd.table, rnd.context_len, rnd.weights
         W = math.fsum(weights)
         B = len(seqs)
-        for i, (toks, n) in enumerate(ngrams):  # free n-gram first rows the budget would take anyway
+        for i, (toks, _) in enumerate(rnd.ngrams):  # free n-gram first rows the budget would take anyway
             if toks and i not in wanted:
-                v = weights[i] * self._ngram_c1(seqs[i].slot, n)
+                v = weights[i] * rnd.ngram_c1[i]
                 if (W + v) * table.sps(B + 1, ctx) > W * table.sps(B, ctx):
                     W, B = W + v, B + 1
         t_round = 1.0 / table.sps(B, ctx)
@@ -278,7 +313,7 @@ class Speculator:
             W, B, t_round = W + v, B + 1, 1.0 / table.sps(B + 1, ctx)
         return sorted(chosen)
 
-    def _propose_blocks(self, seqs, sampling: SamplingBatch, ngrams, drafted_rows: list[int]) -> Proposal:
+    def _propose_blocks(self, seqs, rnd: "_Round", drafted_rows: list[int]) -> Proposal:
         """DSpark-draft ``drafted_rows``; the other rows propose their n-gram draft (may be empty);
         one verification budget over all of them."""
         picked = set(drafted_rows)
@@ -288,7 +323,7 @@ class Speculator:
             self.flush([s.slot for s in sub])  # the drafter reads the whole committed context
             anchors = torch.tensor([s.last_token for s in sub], dtype=torch.long)
             t0 = time.perf_counter()
-            ds = self.draft(anchors, [s.slot for s in sub], sampling.select(drafted_rows))
+            ds = self.draft(anchors, [s.slot for s in sub], rnd.sampling.select(drafted_rows))
             per_seq = (time.perf_counter() - t0) / len(sub)  # measured, for later rounds' choices only
             self._drafts_timed += 1  # a plain mean until 1/α samples, then exponential (as the gate's averages)
             self.draft_seconds += max(DRAFT_COST_ALPHA, 1.0 / self._drafts_timed) * (per_seq - self.draft_seconds)
@@ -299,12 +334,9 @@ class Speculator:
             if i in picked:
                 conf.append(dconf[where[i]])
             else:
-                toks, n = ngrams[i]
-                conf.append([self._ngram_c1(seqs[i].slot, n)] + self.ngram_conf[n][1 : len(toks)] if toks else [])
-        weights = [sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
-        ctx = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
-        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
-        plan = schedule(self.policy, conf, table, weights=weights, context_len=ctx)
+                toks, n = rnd.ngrams[i]
+                conf.append([rnd.ngram_c1[i]] + self.ngram_conf[n][1 : len(toks)] if toks else [])
+        plan = schedule(self.policy, conf, rnd.table, weights=rnd.weights, context_len=rnd.context_len)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens, drafted = [], []
         for i, l in enumerate(lengths):
@@ -312,12 +344,12 @@ class Speculator:
                 tokens.append(ds.tokens[where[i], :l].tolist())
                 drafted.append(self.gamma)
             else:
-                tokens.append(ngrams[i][0][:l])
-                drafted.append(len(ngrams[i][0]))
+                tokens.append(rnd.ngrams[i][0][:l])
+                drafted.append(len(rnd.ngrams[i][0]))
         # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
-        probs = None if sampling.greedy else self._draft_probs(ds, drafted_rows, tokens, lengths)
+        probs = None if rnd.sampling.greedy else self._draft_probs(ds, drafted_rows, tokens, lengths)
         return Proposal(lengths, drafted, tokens, probs, self.gamma, [i in picked for i in range(len(seqs))],
-                        [0 if i in picked else ngrams[i][1] for i in range(len(seqs))])
+                        [0 if i in picked else rnd.ngrams[i][1] for i in range(len(seqs))])
 
     def _draft_probs(self, ds, drafted_rows: list[int], tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """p_d rows fp32 ``[Σ ℓ_r, V]`` in request order: the drafter's for drafted rows, one-hot for n-gram rows."""

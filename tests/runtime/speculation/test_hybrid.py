@@ -90,7 +90,7 @@ def test_hybrid_uses_both_proposers_and_equals_plain_decoding(target_fp32, token
 
         spec.record_outcome = spy
         # every request preferring a DSpark draft gets one (the cost check is timing-driven)
-        spec._worth_drafting = lambda seqs, sampling, ngrams, wanted: wanted
+        spec._worth_drafting = lambda seqs, rnd, wanted: wanted
 
     engine, spec = run(target_fp32, tokenizer, prompts, setup, spec_method="hybrid", spec_policy="fixed")
     assert spec == plain
@@ -191,7 +191,7 @@ def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, to
 
     engine.speculator.propose = keep
     # every request that prefers a DSpark draft gets one (the cost check is timing-driven, so not reproducible)
-    engine.speculator._worth_drafting = lambda seqs, sampling, ngrams, wanted: wanted
+    engine.speculator._worth_drafting = lambda seqs, rnd, wanted: wanted
     gens = iter(range(100, 200))  # unseeded requests (standard verification) with fixed generator seeds
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(llm_engine, "spec_round", spy)

@@ -275,6 +275,9 @@ class LoadSnapshot:
     prefix_cache_hits: int = 0  # engine counter: of those, KV reused (not prefilled again)
     spec_steps: int = 0  # engine counter: decode rounds that drafted (speculation on)
     spec_gated_steps: int = 0  # engine counter: decode rounds the speculation gate ran as plain decode
+    decode_rows: int = 0  # engine counter: request-rounds (Σ over decode rounds of the requests in each)
+    zero_budget_rows: int = 0  # engine counter: request-rounds verified with ℓ_r = 0 (no draft token)
+    decode_tokens: int = 0  # engine counter: tokens decode rounds produced (τ = decode_tokens / decode_rows)
 
 
 @dataclass

@@ -229,6 +229,9 @@ export interface Engine {
   forward_steps: number;
   decode_steps: number;
   verify_tokens: number;
+  decode_rows: number;
+  zero_budget_rows: number;
+  decode_tokens: number;
   spec: {
     method: string;
     policy: string | null;

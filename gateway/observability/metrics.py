@@ -237,6 +237,15 @@ class StateCollector:
         yield CounterMetricFamily("sparkgate:spec_decode_gated_steps",
                                   "Decode rounds the speculation gate ran as plain decode (no drafting).",
                                   load.spec_gated_steps)
+        yield CounterMetricFamily("sparkgate:engine_decode_rows",
+                                  "Request-rounds: sum over decode rounds of the requests each verified.",
+                                  load.decode_rows)
+        yield CounterMetricFamily("sparkgate:spec_decode_zero_budget_rows",
+                                  "Request-rounds verified with l_r = 0 (the budget or gate gave no draft token).",
+                                  load.zero_budget_rows)
+        yield CounterMetricFamily("sparkgate:engine_decode_tokens",
+                                  "Tokens decode rounds produced; tau = rate(decode_tokens) / rate(decode_rows).",
+                                  load.decode_tokens)
         yield CounterMetricFamily("sparkgate:prefix_cache_queries",
                                   "Prefix cache queries, in prompt tokens looked up.", load.prefix_cache_queries)
         yield CounterMetricFamily("sparkgate:prefix_cache_hits",

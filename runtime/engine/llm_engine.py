@@ -123,6 +123,9 @@ class LLMEngine:
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
         self.spec_steps = 0  # decode rounds that drafted (speculator present)
         self.gated_steps = 0  # decode rounds the gate ran as plain AR (no drafting); + spec_steps = decode_steps
+        self.decode_rows = 0  # Σ per round of its decoding requests (request-rounds)
+        self.zero_budget_rows = 0  # of those, request-rounds verified with ℓ_r = 0 (no draft token)
+        self.decode_tokens = 0  # tokens those rounds produced (accepted + bonus, before stop/EOS cuts)
         self._by_id: dict[str, SequenceState] = {}
 
     # -- requests -----------------------------------------------------------
@@ -239,6 +242,10 @@ class LLMEngine:
                 else:
                     self.gated_steps += 1
             produced = self._verify(plan.decode, proposal, out, num_verify_rows, sampling)
+            self.decode_rows += len(plan.decode)
+            self.zero_budget_rows += (len(plan.decode) if proposal is None
+                                      else sum(1 for ell in proposal.lengths if ell == 0))
+            self.decode_tokens += produced
             if self.gate is not None and not plan.prefill:  # prefill chunks would blur the step's cost
                 self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
         if prefill_done:

@@ -295,11 +295,23 @@ def test_login_by_keyboard_then_live_charts_equal_the_api(ui, live_server):
     # long enough (ignore_eos) to span several UI polls even on an idle machine
     t = threading.Thread(target=complete, args=(live_server, "ui-long", 600, None, True), daemon=True)
     t.start()
-    page.wait_for_function("""() => {
+    zero = page.wait_for_function("""() => {
         const s = JSON.parse(document.querySelector('[data-chart-name=engine-load]').dataset.chart || '[]');
         const b = JSON.parse(document.querySelector('[data-chart-name=verify-budget]').dataset.chart || '[]');
-        return s.length && s[0].points.some(p => p[1] >= 1) && b.length && b[0].points.some(p => p[1] >= 1);
-    }""", timeout=120_000)
+        const z = document.querySelector('[data-kpi=zero-budget] .kpi-value').textContent;
+        const ok = s.length && s[0].points.some(p => p[1] >= 1) && b.length && b[0].points.some(p => p[1] >= 1)
+            && b[2].points.some(p => p[1] !== null) && z.endsWith('%');
+        return ok ? z : null;
+    }""", timeout=120_000).json_value()
+    # live τ (tokens per request-round) and the share of request-rounds with ℓ = 0, from the engine counters
+    budget = ui.chart("verify-budget")
+    assert budget["series"][2]["label"] == "τ (tokens per request-round)"
+    taus = [y for _, y in budget["series"][2]["points"] if y is not None]
+    engine = admin_get(live_server, "/admin/v1/engine")
+    assert engine["spec"]["method"] == "none"  # the session's live server decodes plainly (tests/conftest.py)
+    # plain decoding: every request-round verifies only its anchor (ℓ = 0) and produces one token
+    assert zero == "100.0 %" and taus and all(y == 1.0 for y in taus), (zero, taus)
+    assert engine["zero_budget_rows"] == engine["decode_rows"] == engine["decode_tokens"] > 0
     t.join(300)
     ui.shot("overview")
     httpx.delete(f"{live_server.base_url}/admin/v1/tenants/{tenant}", headers=A)

@@ -16,6 +16,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const kWaiting = kpi("waiting", "Waiting", "engine + admission queues");
   const kBudget = kpi("verify-budget", "Verified tokens / round", "B over the last 2 s");
   const kTau = kpi("tau", "τ (tokens / round)", "");
+  const kZero = kpi("zero-budget", "Rounds with ℓ = 0", "share of request-rounds, last 2 s");
   const kAcc = kpi("acceptance", "Acceptance rate", "accepted / drafted");
   const kSla = kpi("sla", "SLA attainment", "requests meeting their tier's tok/s");
 
@@ -29,7 +30,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const budget = new ChartBox({ name: "verify-budget", title: "Verification budget vs load (live)", type: "line",
     x: "time", description: "Line chart: tokens verified per target forward (B) against running requests",
     yLabel: "tokens / requests", empty: "Collecting samples…", seconds: true });
-  budget.setNote("B = tokens verified per decode round (Σ over requests of 1 + drafts verified); without speculation B = running.");
+  budget.setNote("B = tokens verified per decode round (Σ over requests of 1 + drafts verified); without speculation B = running. τ = tokens produced per request per round (1 without speculation).");
   const volume = new ChartBox({ name: "volume", title: "Requests and completion tokens per minute (all users)",
     type: "line", x: "time", yLabel: "requests / min", y2Label: "tokens / min", yDigits: 0,
     description: "Line chart of requests and completion tokens per minute over the selected window, all users together",
@@ -100,15 +101,22 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   }
 
   // ---- live engine samples
-  type Sample = { t: number; running: number; waiting: number; queued: number; maxBatch: number; B: number | null };
+  type Sample = { t: number; running: number; waiting: number; queued: number; maxBatch: number; B: number | null;
+    tau: number | null };
   const samples: Sample[] = [];
   let prev: Engine | null = null;
   async function sampleEngine(): Promise<void> {
     const [e, st] = await Promise.all([get<Engine>("/admin/v1/engine"), get<TenancyStatus>("/admin/v1/tenancy/status")]);
     const dSteps = prev ? e.decode_steps - prev.decode_steps : 0;
     const B = prev && dSteps > 0 ? (e.verify_tokens - prev.verify_tokens) / dSteps : null; // null: no decode round
+    // Request-rounds since the last sample: the share the budget (or gate) gave no draft, and live τ.
+    const dRows = prev ? e.decode_rows - prev.decode_rows : 0;
+    const zero = dRows > 0 ? (e.zero_budget_rows - prev!.zero_budget_rows) / dRows : null;
+    const tau = dRows > 0 ? (e.decode_tokens - prev!.decode_tokens) / dRows : null;
     prev = e;
-    samples.push({ t: Date.now(), running: e.running, waiting: e.waiting, queued: st.admission.waiting, maxBatch: e.max_batch, B });
+    samples.push({ t: Date.now(), running: e.running, waiting: e.waiting, queued: st.admission.waiting, maxBatch: e.max_batch, B, tau });
+    kZero.set(zero === null ? "—" : pct(zero), e.spec.method === "none" ? "speculation off: every round has ℓ = 0"
+      : tau === null ? "no decode round in the last 2 s" : `live τ ${fmt(tau, 2)} tokens / request-round`);
     if (samples.length > LIVE_SAMPLES) samples.shift();
     kRunning.set(fmtInt(e.running), `of max batch ${e.max_batch}${e.ready ? "" : " (engine not ready)"}`);
     kWaiting.set(fmtInt(e.waiting + st.admission.waiting), `engine ${e.waiting} · admission ${st.admission.waiting}`);
@@ -125,6 +133,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     budget.set([
       { label: "verified tokens per round (B)", points: xs((s) => s.B) },
       { label: "running requests", points: xs((s) => s.running) },
+      { label: "τ (tokens per request-round)", points: xs((s) => s.tau) },
       { label: "max batch", points: xs((s) => s.maxBatch), dashed: true, color: "#94a3b8" },
     ]);
   }
@@ -132,7 +141,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const page = h("div", { class: "page overview" },
     pageHeader("Overview", windowPicker(win, (w) => ctx.go("overview", { window: w })), updated),
     msg.el,
-    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kAcc.el, kSla.el),
+    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSla.el),
     h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el, volume.el));
 
   const guard = async (fn: () => Promise<void>) => {

@@ -379,10 +379,12 @@ def test_async_engine_load_reports_the_prefix_cache_counters():
 
     a = AsyncEngine(EngineConfig())
     a.engine = SimpleNamespace(num_running=1, num_waiting=0, forward_steps=9, decode_steps=4, verify_tokens=4,
-                               spec_steps=3, gated_steps=1, prefix_cache=SimpleNamespace(queries=120, hits=80))
+                               spec_steps=3, gated_steps=1, decode_rows=7, zero_budget_rows=2, decode_tokens=15,
+                               prefix_cache=SimpleNamespace(queries=120, hits=80))
     snap = a.load()
     assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (120, 80)
     assert (snap.spec_steps, snap.spec_gated_steps) == (3, 1)
+    assert (snap.decode_rows, snap.zero_budget_rows, snap.decode_tokens) == (7, 2, 15)
     a.engine.prefix_cache = None
     assert (a.load().prefix_cache_queries, a.load().prefix_cache_hits) == (0, 0)
 

@@ -147,13 +147,14 @@ def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path,
     def engine_counters(base):
         text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
         names = ("sparkgate:engine_decode_steps_total", "sparkgate:spec_decode_steps_total",
-                 "sparkgate:spec_decode_gated_steps_total")
+                 "sparkgate:spec_decode_gated_steps_total", "sparkgate:engine_decode_rows_total",
+                 "sparkgate:spec_decode_zero_budget_rows_total", "sparkgate:engine_decode_tokens_total")
         got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names}
         return [got[n] for n in names]
 
     app, key = serve(target_fp32, tokenizer, tmp_path, migrated_template, "dspark", spec_gate=True)
     with serve_in_thread(app) as base:
-        rounds = 0
+        rounds = emitted = 0
         for prompt, ar in zip(PROMPTS, ar_replies):
             r = httpx.post(base + "/v1/chat/completions", json=body(prompt), headers={"Authorization": f"Bearer {key}"},
                            timeout=300)
@@ -166,6 +167,11 @@ def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path,
             assert 0 <= st["gated_rounds"] <= st["rounds"]
             assert st["verified"] <= st["drafted"] <= 4 * (st["rounds"] - st["gated_rounds"])
             rounds += st["rounds"]
-        decode, spec, gated = engine_counters(base)
-    assert spec + gated == decode == rounds  # one request at a time: each decode round is one of its rounds
+            emitted += st["emitted"]
+        decode, spec, gated, rows, zero, tokens = engine_counters(base)
+    assert spec + gated == decode == rounds == rows  # one request at a time: each decode round is one of its rounds
+    assert gated <= zero < rows  # gated rounds verify no draft; some drafting rounds may get ℓ = 0 too
+    # every emitted token came from a decode round; only a request's last round may produce tokens
+    # that max_tokens/EOS cut (at most γ of them)
+    assert emitted <= tokens <= emitted + 4 * len(PROMPTS)
     assert spec >= 2 and gated >= 2  # the gate's warm-up ran both modes

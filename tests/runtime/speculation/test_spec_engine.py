@@ -60,8 +60,10 @@ def ar_greedy(target_fp32, tokenizer, prompts20):
 
 @pytest.mark.parametrize(
     "method,policy",
-    # (dspark, fixed) runs on gguf in test_t0_speculative_equals_autoregressive_gguf (as hybrid/fixed) and in the golden file
-    [("dspark", "dspark-sla"), ("parallel", "fixed"), ("prompt_lookup", "fixed"), ("hybrid", "dspark-sla")],
+    # dspark (fixed, dspark-sla), parallel and prompt_lookup are checked against AR at fp32 T = 0 with
+    # the gate off (every round drafts) in tests/runtime/test_golden_outputs.py; hybrid's stats
+    # depend on measured drafting times, so it is not in the golden file and is checked here.
+    [("hybrid", "dspark-sla")],
 )
 def test_t0_speculative_equals_autoregressive_fp32(target_fp32, tokenizer, prompts20, ar_greedy, method, policy):
     """The committed drafters (DSpark, its rank-0 ablation) and prompt lookup: speculation

@@ -23,6 +23,7 @@ from runtime.interface import (
     Failed,
     Finished,
     FinishReason,
+    GrammarError,
     QueueFullError,
     RequestTimings,
     SpecStats,
@@ -193,6 +194,9 @@ async def observed(
             yield event
     except QueueFullError as exc:
         outcome.status, outcome.error_code, outcome.error_message = REJECTED, "queue_full", str(exc)
+        raise
+    except GrammarError as exc:  # a response format the backend refused (HTTP 400)
+        outcome.status, outcome.error_code, outcome.error_message = REJECTED, exc.code, exc.message
         raise
     except Exception as exc:
         outcome.status, outcome.error_code, outcome.error_message = FAILED, "internal_error", repr(exc)

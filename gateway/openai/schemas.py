@@ -43,6 +43,34 @@ class StreamOptions(_Request):
     include_usage: bool | None = None
 
 
+class JSONSchemaSpec(_Request):
+    """``response_format.json_schema`` (OpenAI "Structured Outputs"). ``schema`` left out →
+    any JSON object (as ``json_object``). Which keywords the schema may use:
+    :func:`runtime.engine.grammar.check_schema` (others → 400 naming the keyword)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           Field(discriminator="type")]
+
+
 class BaseCompletionRequest(_Request):
     """Fields shared by chat and legacy completions."""
 
@@ -73,7 +101,7 @@ class ChatCompletionRequest(BaseCompletionRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true
 

@@ -120,7 +120,7 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
             raise GrammarError(f"The JSON-schema keyword '{key}' (at '{_path(at)}') is not supported by "
                                "structured outputs on this server.", _path(at), "unsupported_schema_keyword")
         if key == "format" and value not in FORMATS:
-            raise GrammarError(f"The string format {json.dumps(value)} (at '{_path(at)}') is not supported; "
+            raise GrammarError(f"The 'format' {json.dumps(value)} (at '{_path(at)}') is not supported; "
                                f"supported formats: {', '.join(sorted(FORMATS))}.", _path(at),
                                "unsupported_schema_keyword")
         if key == "allOf" and isinstance(value, list) and len(value) != 1:
@@ -244,8 +244,9 @@ class GrammarCache:
             check_schema(fmt.schema)
         return schema_hash(fmt)
 
-    def _build(self, key: str, fmt: ResponseFormat):
-        """Compile (cache miss): the CompiledGrammar, or the GrammarError it earned (both cached)."""
+    def _build(self, key: str, fmt: ResponseFormat, limit_s: float | None = None):
+        """Compile (cache miss): the CompiledGrammar, or the GrammarError it earned (both cached);
+        one that took longer than ``limit_s`` earns the time-out error."""
         t0 = time.perf_counter()
         try:
             comp = self.compiler()
@@ -259,7 +260,7 @@ class GrammarCache:
         self.compiles += 1
         seconds = time.perf_counter() - t0
         if not isinstance(out, GrammarError):
-            if seconds > self.compile_timeout_s:  # finished late: the same answer as when it timed out
+            if limit_s is not None and seconds > limit_s:  # finished late: the answer it got when it timed out
                 out = self._timeout_error()
             elif out.memory_size_bytes > self.max_grammar_bytes:
                 out = GrammarError(f"The schema compiles to a {out.memory_size_bytes / 2**20:.0f} MiB grammar; "
@@ -319,7 +320,8 @@ class GrammarCache:
                 else:
                     if self._pool is None:
                         self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, "sparkgate-grammar")
-                    fut = self._inflight[key] = loop.run_in_executor(self._pool, self._build, key, fmt)
+                    fut = self._inflight[key] = loop.run_in_executor(self._pool, self._build, key, fmt,
+                                                                     self.compile_timeout_s)
 
                     def done(_f, key=key, turn=turn) -> None:
                         self._inflight.pop(key, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 from gateway.core.text import Label, Text
 
@@ -67,8 +67,22 @@ class ResponseFormatJSONSchema(_Request):
     json_schema: JSONSchemaSpec
 
 
-ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
-                           Field(discriminator="type")]
+_FORMAT_TAGS = {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}
+
+
+def _format_tag(value: Any) -> str | None:
+    """The member of :data:`ResponseFormat` by ``type``. Capitalised tags: error locations skip
+    them (``response_format.json_schema.name``, not ``response_format.json_schema.json_schema.name``)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("Text")] | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
+    | Annotated[ResponseFormatJSONSchema, Tag("JSONSchema")],
+    Discriminator(_format_tag, custom_error_type="invalid_value",
+                  custom_error_message="'type' must be one of 'text', 'json_object', 'json_schema'"),
+]
 
 
 class BaseCompletionRequest(_Request):

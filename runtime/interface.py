@@ -57,6 +57,49 @@ class SamplingParams:
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's ``top_logprobs`` limit; the engine refuses more
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Constrain the completion to JSON (OpenAI chat ``response_format``, "Structured Outputs").
+
+    The engine masks every token the grammar forbids before sampling
+    (:mod:`runtime.engine.grammar`), so a reply that ends with EOS (``finish_reason:
+    "stop"``) is a complete JSON text: an object for ``json_object``, an instance of
+    ``schema`` for ``json_schema``. A reply cut by ``max_tokens`` or a stop string is a
+    prefix of one.
+
+    Attributes:
+        type: ``"json_object"`` (any JSON object) or ``"json_schema"``.
+        schema: the JSON Schema (a dict) for ``json_schema``; ``None`` for ``json_object``.
+        strict: OpenAI's ``strict`` flag. Both values constrain decoding to the schema;
+            properties and array items the schema does not declare are never generated
+            (the instances produced are a subset of the schema's, valid either way).
+    """
+
+    type: str
+    schema: dict | None = None
+    strict: bool = False
+
+
+class GrammarError(ValueError):
+    """Raised by :meth:`Backend.generate` (before the first event) when a
+    :class:`ResponseFormat` cannot be served: an unsupported JSON-Schema keyword, an invalid
+    schema, or one over the size or compile-time limits (→ HTTP 400).
+
+    Attributes:
+        message: what is wrong, for the client.
+        param: where, as a dotted path inside the schema ending in the offending keyword
+            (``"properties.tags.uniqueItems"``), or ``None`` for the schema as a whole.
+        code: ``"unsupported_schema_keyword"``, ``"invalid_schema"``, ``"schema_too_large"``
+            or ``"schema_compile_timeout"``.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_schema"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
 @dataclass
 class GenerationRequest:
     """One completion request as the runtime sees it.
@@ -75,6 +118,8 @@ class GenerationRequest:
         return_spec_stats: include :class:`SpecStats` in the API response.
         cache_salt: prefix-cache namespace (vLLM ``cache_salt``): cached prompt KV is
             shared only between requests with equal salts (``None`` = the shared one).
+        response_format: constrain the completion to JSON (``None``: free text); only
+            for backends whose :attr:`BackendInfo.supports_response_format` is true.
     """
 
     request_id: str
@@ -87,6 +132,7 @@ class GenerationRequest:
     timeout_s: float | None = None
     return_spec_stats: bool = False
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 @dataclass
@@ -259,6 +305,7 @@ class BackendInfo:
     max_context: int
     eos_token_id: int
     supports_logprobs: bool = True  # False → the gateway refuses logprobs with a 400
+    supports_response_format: bool = False  # False → the gateway refuses JSON response formats with a 400
 
 
 @dataclass
@@ -335,7 +382,8 @@ class Backend(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Submit and stream events. Raises :class:`QueueFullError` (before the
-        first event) when the waiting queue is full. Closing the iterator early
+        first event) when the waiting queue is full, :class:`GrammarError` (before the
+        first event) when its ``response_format`` cannot be served. Closing the iterator early
         (``aclose()`` / task cancellation) aborts the request and frees its slot
         and KV before the next engine step."""
         ...

@@ -23,6 +23,7 @@ from runtime.interface import (
     Failed,
     Finished,
     FinishReason,
+    GrammarError,
     QueueFullError,
     RequestTimings,
     SpecStats,
@@ -45,7 +46,8 @@ def is_served(status: str, completion_tokens: int) -> bool:
     ``rejected`` requests (429 budget/rate limit/queue, 503 engine queue full), requests
     that failed or were cancelled before their first token (left while queued, engine
     refused or failed during prefill). Validation errors (400) never reach the engine
-    and leave no record at all. Used for usage rollups, ``api_keys.tokens_used`` and the
+    and leave no record at all, except a response format the backend refuses (it is checked
+    at submission: a ``rejected`` record with its code). Used for usage rollups, ``api_keys.tokens_used`` and the
     admission budget check alike.
     """
     return status == FINISHED or (status in (FAILED, CANCELLED) and completion_tokens > 0)
@@ -92,8 +94,8 @@ class RequestOutcome:
 
     Attributes:
         status: ``finished`` (stop/length), ``failed`` (engine error/timeout),
-            ``cancelled`` (client went away), ``rejected`` (refused by admission or a full
-            engine queue; never ran). Whether it is billed: :attr:`served`.
+            ``cancelled`` (client went away), ``rejected`` (refused by admission, a full
+            engine queue or a response format the backend could not compile; never ran). Whether it is billed: :attr:`served`.
         finish_reason: ``stop``/``length`` for finished requests.
         error_code, error_message: for failed/rejected ones.
         completion_tokens: tokens emitted (for cancelled ones: emitted before the abort).
@@ -193,6 +195,9 @@ async def observed(
             yield event
     except QueueFullError as exc:
         outcome.status, outcome.error_code, outcome.error_message = REJECTED, "queue_full", str(exc)
+        raise
+    except GrammarError as exc:  # a response format the backend refused (HTTP 400)
+        outcome.status, outcome.error_code, outcome.error_message = REJECTED, exc.code, exc.message
         raise
     except Exception as exc:
         outcome.status, outcome.error_code, outcome.error_message = FAILED, "internal_error", repr(exc)

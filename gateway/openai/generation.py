@@ -3,9 +3,9 @@
 Contract with the HTTP layer:
 
 * :func:`start_generation` submits the request **and waits for its first event**
-  before any response byte is sent, so queue-full (503 + ``retry-after``), engine
-  failures before the first token and not-ready errors are real HTTP errors, also
-  for ``stream: true``. A client that disconnects while queued aborts the request.
+  before any response byte is sent, so queue-full (503 + ``retry-after``), a response
+  format the backend refuses (400), engine failures before the first token and not-ready
+  errors are real HTTP errors, also for ``stream: true``. A client that disconnects while queued aborts the request.
 * :func:`sse_events` frames events as ``data: <json>\\n\\n`` and ends with
   ``data: [DONE]\\n\\n``; a failure after streaming began becomes one
   ``data: {"error": {...}}`` event followed by ``[DONE]``.
@@ -26,11 +26,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.core.errors import APIError, SERVER_ERROR, error_body, model_not_ready, overloaded, server_error
+from gateway.core.errors import (
+    APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, server_error,
+)
 from gateway.openai.formatters import Formatter
 from gateway.observability.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
 from runtime.interface import (
-    Backend, Event, Failed, Finished, FinishReason, GenerationRequest, QueueFullError, TextDelta, TokenLogprob,
+    Backend, Event, Failed, Finished, FinishReason, GenerationRequest, GrammarError, QueueFullError, TextDelta,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,13 @@ def failure_error(event: Failed | Finished) -> APIError:
                         "request_aborted")
 
 
+def grammar_error(exc: GrammarError) -> APIError:
+    """400 for a response format the backend refused; ``param`` points into the request
+    (``response_format.json_schema.schema.<path to the keyword>``)."""
+    param = "response_format" if exc.param is None else f"response_format.json_schema.schema.{exc.param}"
+    return invalid_request(exc.message, param, exc.code)
+
+
 def is_normal_finish(event: Event) -> bool:
     return isinstance(event, Finished) and event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -129,8 +139,9 @@ async def start_generation(
     every observer sees this request's outcome exactly once (also when it is rejected).
 
     Raises:
-        APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 500 when
-            the engine fails or aborts before the first token, 499 when the client left.
+        APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 400 when the
+            backend refuses the response format (:func:`grammar_error`), 500 when the engine
+            fails or aborts before the first token, 499 when the client left.
     """
     if not backend.ready():
         raise model_not_ready()
@@ -151,6 +162,8 @@ async def start_generation(
             await close_events(events)
         if isinstance(exc, QueueFullError):  # raised by generate() or by the first __anext__()
             raise overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s) from None
+        if isinstance(exc, GrammarError):
+            raise grammar_error(exc) from None
         if isinstance(exc, StopAsyncIteration):
             raise server_error("The engine ended the request without a result.") from None
         raise

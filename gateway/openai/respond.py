@@ -13,7 +13,7 @@ from gateway.openai.generation import SSEResponse, collect, sse_events, start_ge
 from gateway.observability.observe import RequestContext
 from gateway.openai.schemas import BaseCompletionRequest
 from gateway.openai.translate import completion_budget, generation_request, requested_max_tokens
-from runtime.interface import Backend
+from runtime.interface import Backend, ResponseFormat
 
 
 async def respond(
@@ -24,8 +24,10 @@ async def respond(
     prompt_ids: list[int],
     fmt: Formatter,
     prompt_param: str,
+    response_format: ResponseFormat | None = None,
 ) -> Response:
-    """Run the request and build the HTTP response.
+    """Run the request and build the HTTP response (``response_format``: the chat request's,
+    :func:`gateway.openai.translate.response_format`).
 
     ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
     context when absent), so an over-long request ends with ``finish_reason: "length"``.
@@ -48,7 +50,7 @@ async def respond(
     headers = ticket.headers if ticket is not None else {}  # x-ratelimit-*, also before the first SSE byte
     try:
         gen_request = generation_request(ctx, prompt_ids, body, state.settings.request_timeout_s,
-                                         fmt.num_top_logprobs, state.settings.prefix_cache_scope)
+                                         fmt.num_top_logprobs, state.settings.prefix_cache_scope, response_format)
         stream = await start_generation(backend, gen_request, request, ctx, state.observers)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 from gateway.core.text import Label, Text
 
@@ -41,6 +41,48 @@ class ChatMessage(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+
+
+class JSONSchemaSpec(_Request):
+    """``response_format.json_schema`` (OpenAI "Structured Outputs"). ``schema`` left out →
+    any JSON object (as ``json_object``). Which keywords the schema may use:
+    :func:`runtime.engine.grammar.check_schema` (others → 400 naming the keyword)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Request):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+_FORMAT_TAGS = {"text": "Text", "json_object": "JSONObject", "json_schema": "JSONSchema"}
+
+
+def _format_tag(value: Any) -> str | None:
+    """The member of :data:`ResponseFormat` by ``type``. Capitalised tags: error locations skip
+    them (``response_format.json_schema.name``, not ``response_format.json_schema.json_schema.name``)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("Text")] | Annotated[ResponseFormatJSONObject, Tag("JSONObject")]
+    | Annotated[ResponseFormatJSONSchema, Tag("JSONSchema")],
+    Discriminator(_format_tag, custom_error_type="invalid_value",
+                  custom_error_message="'type' must be one of 'text', 'json_object', 'json_schema'"),
+]
 
 
 class BaseCompletionRequest(_Request):
@@ -73,7 +115,7 @@ class ChatCompletionRequest(BaseCompletionRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true
 

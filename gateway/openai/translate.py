@@ -11,7 +11,7 @@ from typing import Iterable
 from gateway.core.errors import invalid_request, model_not_found, unsupported
 from gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, BaseCompletionRequest
 from gateway.observability.observe import RequestContext
-from runtime.interface import BackendInfo, GenerationRequest, SamplingParams, clamp_max_tokens
+from runtime.interface import BackendInfo, GenerationRequest, ResponseFormat, SamplingParams, clamp_max_tokens
 
 # OpenAI role → role given to the chat template. "developer" is OpenAI's newer name for "system".
 TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -49,8 +49,8 @@ def _reject_common(body: BaseCompletionRequest) -> None:
 def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
-    Neutral values are accepted: ``tools: []``, ``tool_choice: "none"``,
-    ``response_format: {"type": "text"}``, ``n: 1``, zero penalties, empty ``logit_bias``.
+    Neutral values are accepted: ``tools: []``, ``tool_choice: "none"``, ``n: 1``, zero
+    penalties, empty ``logit_bias``. (``response_format``: :func:`response_format`.)
     ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers it).
     """
     if body.tools not in (None, []):
@@ -61,8 +61,6 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise unsupported("functions", "Function calling is not available yet.")
     if body.function_call not in (None, "none"):
         raise unsupported("function_call", "Function calling is not available yet.")
-    if body.response_format not in (None, {"type": "text"}):
-        raise unsupported("response_format", 'Only {"type": "text"} is supported.')
     if body.top_logprobs is not None and body.logprobs is not True:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
     _reject_common(body)
@@ -78,6 +76,27 @@ def reject_unsupported_completion(body: CompletionRequest) -> None:
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "Only best_of=1 is supported.")
     _reject_common(body)
+
+
+def response_format(body: BaseCompletionRequest, info: BackendInfo) -> ResponseFormat | None:
+    """The runtime :class:`ResponseFormat` of a chat request (``None``: free text).
+
+    ``json_object`` → any JSON object; ``json_schema`` → an instance of its ``schema`` (any
+    JSON object when it has none), ``strict`` passed along. The schema's keywords are
+    checked by the backend (400 naming an unsupported one, at submission).
+    400 ``unsupported_parameter`` when the backend cannot constrain its output.
+    """
+    rf = getattr(body, "response_format", None)
+    if rf is None or rf.type == "text":
+        return None
+    if not info.supports_response_format:
+        raise unsupported("response_format", "This backend does not support JSON response formats.")
+    if rf.type == "json_object":
+        return ResponseFormat("json_object")
+    spec = rf.json_schema
+    if spec.schema_ is None:
+        return ResponseFormat("json_object")
+    return ResponseFormat("json_schema", spec.schema_, bool(spec.strict))
 
 
 def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | None:
@@ -192,10 +211,12 @@ def generation_request(
     timeout_s: float | None,
     logprobs: int | None = None,
     cache_scope: str = "tenant",
+    fmt: ResponseFormat | None = None,
 ) -> GenerationRequest:
     """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
     ``logprobs`` from :func:`requested_logprobs`; ``cache_salt`` from
-    :func:`prefix_cache_salt`; the rest from ``ctx``, once admission resolved its tier."""
+    :func:`prefix_cache_salt`; ``fmt`` from :func:`response_format`; the rest from ``ctx``,
+    once admission resolved its tier."""
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -217,4 +238,5 @@ def generation_request(
         timeout_s=timeout_s,
         return_spec_stats=bool(body.return_spec_stats),
         cache_salt=prefix_cache_salt(cache_scope, ctx.tenant, body.cache_salt),
+        response_format=fmt,
     )

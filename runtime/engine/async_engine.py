@@ -5,6 +5,10 @@ event loop only enqueues commands (add/abort) and awaits per-request
 ``asyncio.Queue`` s that the engine thread fills via ``call_soon_threadsafe``.
 PyTorch releases the GIL inside its kernels, so streaming stays responsive.
 Because the engine lives in the gateway process, metrics are exported from it.
+
+A request with a ``response_format`` has its grammar compiled here, before it is queued,
+on the grammar cache's compile pool (:meth:`runtime.engine.grammar.GrammarCache.compile_async`:
+cached by schema hash, size and time limits): never on the engine thread.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class AsyncEngine(GatewayTokenization):
 
     async def stop(self) -> None:
         self._stopping = True
+        if self.engine is not None and getattr(self.engine, "grammars", None) is not None:
+            self.engine.grammars.close()
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
@@ -73,8 +79,9 @@ class AsyncEngine(GatewayTokenization):
         if self.engine is None:
             from runtime.models.loader import MODEL_NAME
 
-            return BackendInfo(MODEL_NAME, self.config.max_context, 2)
-        return BackendInfo(self.engine.model_name, self.config.max_context, self.engine.eos_token_id)
+            return BackendInfo(MODEL_NAME, self.config.max_context, 2, supports_response_format=True)
+        return BackendInfo(self.engine.model_name, self.config.max_context, self.engine.eos_token_id,
+                           supports_response_format=True)
 
     # -- streaming --------------------------------------------------------------
     def load(self) -> LoadSnapshot:
@@ -98,11 +105,14 @@ class AsyncEngine(GatewayTokenization):
             raise RuntimeError("engine not started")
         if self.engine.num_waiting + self._pending_adds >= self.config.max_waiting:
             raise QueueFullError(retry_after_s=1.0)
+        grammar = None
+        if request.response_format is not None:  # raises GrammarError (→ 400) before anything is queued
+            grammar = await self.engine.grammars.compile_async(request.response_format, request.tenant)
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         self._pending_adds += 1
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", (request, grammar)))
         self._wake.set()
         done = False
         try:
@@ -134,8 +144,9 @@ class AsyncEngine(GatewayTokenization):
             try:
                 if cmd == "add":
                     self._pending_adds -= 1
+                    arg, grammar = arg
                     if arg.request_id in self._queues:  # not already abandoned by the client
-                        self.engine.add_request(arg)
+                        self.engine.add_request(arg, grammar) if grammar is not None else self.engine.add_request(arg)
                 elif cmd == "abort":
                     self.engine.abort(arg)
             except Exception as exc:  # noqa: BLE001 — one bad request must not stop the engine thread

@@ -13,6 +13,11 @@ before drafting whether a step speculates or decodes plainly (every ℓ_r = 0).
 Logprobs (requests with ``SamplingParams.logprobs`` set) come from the same
 forward: the raw target logits of the row that produced each emitted token
 (:mod:`runtime.engine.logprobs`), one batched ``log_softmax`` over just those rows.
+
+Constrained requests (``GenerationRequest.response_format``) carry a grammar matcher
+(:mod:`runtime.engine.grammar`): each step their rows' logits are masked (−inf outside the
+grammar) before sampling and verification, the same way in both (drafts verified against
+the masked target), and the matcher advances over the tokens emitted.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.grammar import GrammarCache, RequestGrammar, mask_logits, new_bitmask
 from runtime.engine.logprobs import token_logprobs
 from runtime.engine.prefix_cache import engine_prefix_cache
 from runtime.engine.sampler import SamplingBatch, request_generator
@@ -39,6 +45,7 @@ from runtime.interface import (
     Finished,
     FinishReason,
     GenerationRequest,
+    GrammarError,
     TextDelta,
     TokenLogprob,
     clamp_max_tokens,
@@ -127,10 +134,16 @@ class LLMEngine:
         self.zero_budget_rows = 0  # of those, request-rounds verified with ℓ_r = 0 (no draft token)
         self.decode_tokens = 0  # tokens those rounds produced (accepted + bonus, before stop/EOS cuts)
         self._by_id: dict[str, SequenceState] = {}
+        # response formats → compiled grammars (built on first use; compiled off this thread by AsyncEngine)
+        self.grammars = GrammarCache(self.tokenizer, self.model.cfg.vocab_size, [self.eos_token_id])
 
     # -- requests -----------------------------------------------------------
-    def add_request(self, req: GenerationRequest) -> None:
-        """Queue a request; invalid ones fail immediately with a :class:`Failed` event."""
+    def add_request(self, req: GenerationRequest, grammar=None) -> None:
+        """Queue a request; invalid ones fail immediately with a :class:`Failed` event.
+
+        ``grammar``: the compiled grammar of ``req.response_format`` when the caller compiled
+        it already (:meth:`GrammarCache.compile_async`); otherwise it is compiled here, in the
+        calling thread (an invalid one fails the request with code ``invalid_request``)."""
         n = len(req.prompt_token_ids)
         if n == 0 or n >= self.config.max_context:
             self.emit(req.request_id, Failed(f"prompt has {n} tokens; need 1..{self.config.max_context - 1}", "invalid_prompt"))
@@ -139,6 +152,13 @@ class LLMEngine:
         if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
             self.emit(req.request_id, Failed(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {lp}", "invalid_request"))
             return
+        matcher = None
+        if req.response_format is not None:
+            try:
+                matcher = RequestGrammar(grammar if grammar is not None else self.grammars.compile(req.response_format))
+            except GrammarError as exc:
+                self.emit(req.request_id, Failed(exc.message, "invalid_request"))
+                return
         max_tokens = clamp_max_tokens(n, self.config.max_context, req.sampling.max_tokens)
         now = time.monotonic()
         seq = SequenceState(
@@ -149,6 +169,7 @@ class LLMEngine:
             detok=Detokenizer(self.tokenizer, req.prompt_token_ids, req.sampling, self.eos_token_id, max_tokens),
             token_ids=list(req.prompt_token_ids),
             num_prompt=n,
+            grammar=matcher,
         )
         seq.timings.queued = now
         seq.timings.wall_queued = time.time()
@@ -250,11 +271,42 @@ class LLMEngine:
                 self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
-            tokens = SamplingBatch.of(prefill_done).draw(logits).tolist()
+            tokens = SamplingBatch.of(prefill_done).draw(self._masked(logits, prefill_done, None)).tolist()
             lps = self._logprobs(logits, prefill_done, [[t] for t in tokens], [[i] for i in range(len(tokens))])
             for seq, tok, lp in zip(prefill_done, tokens, lps):
                 seq.status = SeqStatus.DECODE
-                self._append_tokens(seq, [tok], logprobs=lp)
+                if self._advance_grammar(seq, [tok]):
+                    self._append_tokens(seq, [tok], logprobs=lp)
+
+    def _masked(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None) -> torch.Tensor:
+        """``logits`` with each constrained sequence's rows masked by its grammar (−inf where
+        forbidden): one row per sequence (``drafts`` ``None``), or its ``1 + ℓ`` verification
+        rows, row k masked for the prefix ``drafts[i][:k]``. The logits themselves when no
+        sequence is constrained (logprobs keep reading the raw ones)."""
+        if all(s.grammar is None for s in seqs):
+            return logits
+        bitmask = new_bitmask(logits.shape[0], logits.shape[-1])
+        rows: list[int] = []
+        row = 0
+        for i, seq in enumerate(seqs):
+            n = 1 + (len(drafts[i]) if drafts is not None else 0)
+            if seq.grammar is not None:
+                if drafts is None:
+                    seq.grammar.fill(bitmask, row)
+                else:
+                    seq.grammar.fill_verification(drafts[i], bitmask, row)
+                rows.extend(range(row, row + n))
+            row += n
+        return mask_logits(logits, bitmask, rows)
+
+    def _advance_grammar(self, seq: SequenceState, tokens: list[int]) -> bool:
+        """Advance ``seq``'s matcher over its emitted ``tokens``; fail the request (``False``)
+        if the grammar refuses one, which would be an engine bug (every token is sampled
+        under its mask)."""
+        if seq.grammar is None or seq.grammar.advance(tokens):
+            return True
+        self._fail(seq, "a generated token violates the response format's grammar", "engine_error")
+        return False
 
     def _verify(self, seqs: list[SequenceState], proposal, out, num_rows: int, sampling: SamplingBatch) -> int:
         """Accept/reject drafts (standard speculative sampling), commit caches, emit.
@@ -270,8 +322,9 @@ class LLMEngine:
         else:
             lengths, draft_probs = proposal.lengths, proposal.probs
             draft_tokens = torch.tensor([t for ts in proposal.tokens for t in ts], dtype=torch.long)
+        drafts = proposal.tokens if proposal is not None else [[] for _ in seqs]
         res = spec_round(
-            out.logits[:num_rows], draft_probs, draft_tokens, lengths,
+            self._masked(out.logits[:num_rows], seqs, drafts), draft_probs, draft_tokens, lengths,
             [s.num_cached for s in seqs], *sampling.tensors, sampling.generators,
             seeds=sampling.seeds, positions=sampling.positions,
         )  # fmt: skip
@@ -285,6 +338,8 @@ class LLMEngine:
             self.speculator.record_outcome(seqs, proposal, accepted)
         lps = self._logprobs(out.logits[:num_rows], seqs, res.tokens, res.token_rows)
         for i, (seq, ell, acc, toks, lp) in enumerate(zip(seqs, lengths, accepted, res.tokens, lps)):
+            if not self._advance_grammar(seq, toks):
+                continue
             count = None
             if self.speculator is not None:
                 def count(kept, seq=seq, drafted=proposal.drafted[i] if proposal is not None else 0, ell=ell, acc=acc):

@@ -32,6 +32,8 @@ class SequenceState:
             so sampling is reproducible whatever else is in the batch.
         deadline: time on the engine's clock (``LLMEngine.clock``, by default
             ``time.monotonic()``) after which the request fails with ``timeout``.
+        grammar: the request's :class:`runtime.engine.grammar.RequestGrammar` (its
+            ``response_format``), ``None`` for free text.
     """
 
     request: GenerationRequest
@@ -49,6 +51,7 @@ class SequenceState:
     aborted: bool = False
     timings: RequestTimings = field(default_factory=RequestTimings)
     spec: SpecStats = field(default_factory=SpecStats)
+    grammar: object | None = None
 
     @property
     def request_id(self) -> str:

@@ -30,11 +30,12 @@ Modes, side by side:
   plain decoding (ℓ = 0) emits the same tokens. Acceptance is P(x_k = the target's
   draw), ≥ (1−δ)/(1+δ) when the drafter draws with the same noise, against 1−δ for
   rejection sampling (δ = total variation; Daliri et al. 2024, arXiv:2408.07978).
-* **grammar-masked** (next issue; room, no code yet) — a bool mask ``[Σ(ℓ_r+1), V]``
-  of allowed tokens per verification row, applied in :func:`spec_round` before the
-  mode's call: standard mode zeroes p_t outside the mask and renormalises (a
-  disallowed draft then has p_t = 0 and is always rejected, the residual never
-  draws one), greedy mode takes the argmax of ``logits.masked_fill(~mask, −inf)``.
+* **grammar-masked** — not a mode of its own: for a constrained request the engine
+  passes ``target_logits`` already masked (−inf outside its grammar; row k of a request
+  masked for the draft prefix x_<k+1, :mod:`runtime.engine.grammar`), so every mode above
+  runs on the constrained distribution: standard mode's p_t is 0 outside the mask (a
+  disallowed draft is always rejected, the residual never draws one), greedy and seeded
+  modes take their argmax among allowed tokens.
 
 Ragged row layout (no padding), requests in order r = 0..R−1, with
 ``t_off[r] = Σ_{s<r} (ℓ_s + 1)`` and ``d_off[r] = Σ_{s<r} ℓ_s``

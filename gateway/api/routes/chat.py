@@ -13,7 +13,9 @@ from gateway.core.errors import invalid_request
 from gateway.openai.formatters import ChatFormatter
 from gateway.openai.logprobs import LogprobsBuilder
 from gateway.openai.schemas import ChatCompletionRequest
-from gateway.openai.translate import reject_unsupported_chat, requested_logprobs, resolve_model, template_messages
+from gateway.openai.translate import (
+    reject_unsupported_chat, requested_logprobs, resolve_model, response_format, template_messages,
+)
 from runtime.interface import Backend
 
 router = APIRouter()
@@ -28,6 +30,7 @@ async def create_chat_completion(
 ) -> Response:
     reject_unsupported_chat(body)
     num_top = requested_logprobs(body, backend.info)
+    structured = response_format(body, backend.info)
     model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
     messages = template_messages(body.messages)
     try:
@@ -36,4 +39,4 @@ async def create_chat_completion(
         raise invalid_request(f"Invalid messages: {exc}", "messages") from None
     logprobs = LogprobsBuilder(backend.token_bytes, num_top) if num_top is not None else None
     fmt = ChatFormatter(model, len(prompt_ids), bool(body.return_spec_stats), logprobs)
-    return await respond(request, backend, principal, body, prompt_ids, fmt, "messages")
+    return await respond(request, backend, principal, body, prompt_ids, fmt, "messages", structured)

@@ -102,6 +102,19 @@ def grammar_error(exc: GrammarError) -> APIError:
     return invalid_request(exc.message, param, exc.code)
 
 
+def start_error(exc: BaseException) -> BaseException:
+    """What to raise for ``exc`` raised while a generation starts: 503 for a full queue
+    (raised by ``generate()`` or by the first ``__anext__()``), 400 for a refused response
+    format, 500 for a stream that ended without an event; anything else as it is."""
+    if isinstance(exc, QueueFullError):
+        return overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s)
+    if isinstance(exc, GrammarError):
+        return grammar_error(exc)
+    if isinstance(exc, StopAsyncIteration):
+        return server_error("The engine ended the request without a result.")
+    return exc
+
+
 def is_normal_finish(event: Event) -> bool:
     return isinstance(event, Finished) and event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -160,13 +173,10 @@ async def start_generation(
     except BaseException as exc:
         if events is not None:
             await close_events(events)
-        if isinstance(exc, QueueFullError):  # raised by generate() or by the first __anext__()
-            raise overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s) from None
-        if isinstance(exc, GrammarError):
-            raise grammar_error(exc) from None
-        if isinstance(exc, StopAsyncIteration):
-            raise server_error("The engine ended the request without a result.") from None
-        raise
+        err = start_error(exc)
+        if err is exc:
+            raise
+        raise err from None
     stream = EventStream(events, first)
     if isinstance(first, Failed) or (isinstance(first, Finished) and not is_normal_finish(first)):
         await stream.aclose()

@@ -85,27 +85,59 @@ class SamplingParams:
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's ``top_logprobs`` limit; the engine refuses more
 
 
+#: The tool-call syntax of :class:`ResponseFormat` ``"tool_calls"`` (Hermes / Qwen2.5 style), the one
+#: the gateway renders into prompts and parses replies with: a call is
+#: ``<tool_call>\n{"name": "<name>", "arguments": <JSON object>}\n</tool_call>``, several calls
+#: back to back.
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolSchema:
+    """One function a ``"tool_calls"`` :class:`ResponseFormat` may call.
+
+    Attributes:
+        name: the function's name (``[a-zA-Z0-9_-]{1,64}``, OpenAI's rule), generated verbatim.
+        parameters: the JSON Schema of its ``arguments`` (an object schema, as OpenAI's
+            ``function.parameters``); ``None`` → no parameters (``{}``).
+    """
+
+    name: str
+    parameters: dict | None = None
+
+
 @dataclass(frozen=True)
 class ResponseFormat:
-    """Constrain the completion to JSON (OpenAI chat ``response_format``, "Structured Outputs").
+    """Constrain the completion to JSON (OpenAI chat ``response_format``, "Structured Outputs")
+    or to tool calls (OpenAI chat ``tools`` with ``tool_choice``).
 
     The engine masks every token the grammar forbids before sampling
     (:mod:`runtime.engine.grammar`), so a reply that ends with EOS (``finish_reason:
-    "stop"``) is a complete JSON text: an object for ``json_object``, an instance of
-    ``schema`` for ``json_schema``. A reply cut by ``max_tokens`` or a stop string is a
-    prefix of one.
+    "stop"``) is complete: a JSON object for ``json_object``, an instance of ``schema`` for
+    ``json_schema``, and for ``tool_calls`` text in the syntax of :data:`TOOL_CALL_OPEN`
+    whose every call names one of ``tools`` with arguments valid against its
+    ``parameters``. A reply cut by ``max_tokens`` or a stop string is a prefix of one.
 
     Attributes:
-        type: ``"json_object"`` (any JSON object) or ``"json_schema"``.
-        schema: the JSON Schema (a dict) for ``json_schema``; ``None`` for ``json_object``.
+        type: ``"json_object"`` (any JSON object), ``"json_schema"`` or ``"tool_calls"``.
+        schema: the JSON Schema (a dict) for ``json_schema``; ``None`` otherwise.
         strict: OpenAI's ``strict`` flag. Both values constrain decoding to the schema;
             properties and array items the schema does not declare are never generated
             (the instances produced are a subset of the schema's, valid either way).
+        tools: the functions a ``tool_calls`` reply may call (≥ 1).
+        tool_choice: ``tool_calls`` only: ``"required"`` → the reply is one or more calls and
+            nothing else; ``"auto"`` → free text in which calls may appear (each one, once
+            its :data:`TOOL_CALL_OPEN` is generated, constrained like a required one).
+        parallel_tool_calls: ``tool_calls`` only: ``False`` → at most one call.
     """
 
     type: str
     schema: dict | None = None
     strict: bool = False
+    tools: tuple[ToolSchema, ...] = ()
+    tool_choice: str = "required"
+    parallel_tool_calls: bool = True
 
 
 class GrammarError(ValueError):
@@ -119,13 +151,18 @@ class GrammarError(ValueError):
             (``"properties.tags.uniqueItems"``), or ``None`` for the schema as a whole.
         code: ``"unsupported_schema_keyword"``, ``"invalid_schema"``, ``"schema_too_large"``
             or ``"schema_compile_timeout"``.
+        tool: for a ``"tool_calls"`` format, the index in :attr:`ResponseFormat.tools` of the
+            tool whose ``parameters`` are at fault (``param`` is then a path inside them);
+            ``None`` when the format as a whole is.
     """
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_schema"):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_schema",
+                 tool: int | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.tool = tool
 
 
 @dataclass
@@ -146,8 +183,8 @@ class GenerationRequest:
         return_spec_stats: include :class:`SpecStats` in the API response.
         cache_salt: prefix-cache namespace (vLLM ``cache_salt``): cached prompt KV is
             shared only between requests with equal salts (``None`` = the shared one).
-        response_format: constrain the completion to JSON (``None``: free text); only
-            for backends whose :attr:`BackendInfo.supports_response_format` is true.
+        response_format: constrain the completion to JSON or tool calls (``None``: free
+            text); only for backends whose :attr:`BackendInfo.supports_response_format` is true.
     """
 
     request_id: str
@@ -334,6 +371,9 @@ class BackendInfo:
     eos_token_id: int
     supports_logprobs: bool = True  # False → the gateway refuses logprobs with a 400
     supports_response_format: bool = False  # False → the gateway refuses JSON response formats with a 400
+    # True → the chat template renders tools itself (it reads ``tools``): the gateway passes tool
+    # definitions and tool messages to apply_chat_template instead of rendering them (Hermes style)
+    chat_template_tools: bool = False
     vocab_size: int | None = None  # token ids in logit_bias / stop_token_ids must be below it (None: unknown)
 
 
@@ -391,9 +431,14 @@ class Backend(Protocol):
 
     async def stop(self) -> None: ...
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the templated prompt (tokenizer's own chat template,
-        generation prompt appended). Raises ``ValueError`` on bad messages."""
+        generation prompt appended). Raises ``ValueError`` on bad messages.
+
+        ``tools`` (only when :attr:`BackendInfo.chat_template_tools`): OpenAI function tools
+        (``{"type": "function", "function": {...}}``) for the template's own tool section;
+        ``messages`` may then hold Hugging Face tool messages (assistant ``tool_calls`` with
+        ``arguments`` as objects, ``role: "tool"``)."""
         ...
 
     def encode(self, text: str) -> list[int]:

@@ -47,7 +47,8 @@ def is_served(status: str, completion_tokens: int) -> bool:
     that failed or were cancelled before their first token (left while queued, engine
     refused or failed during prefill). Validation errors (400) never reach the engine
     and leave no record at all, except a response format the backend refuses (it is checked
-    at submission: a ``rejected`` record with its code). Used for usage rollups, ``api_keys.tokens_used`` and the
+    at submission: a ``rejected`` record with its code) and refused tools, ``tool_choice`` or
+    tool messages (:func:`gateway.openai.respond.record_refusal`). Used for usage rollups, ``api_keys.tokens_used`` and the
     admission budget check alike.
     """
     return status == FINISHED or (status in (FAILED, CANCELLED) and completion_tokens > 0)
@@ -98,7 +99,7 @@ class RequestOutcome:
     Attributes:
         status: ``finished`` (stop/length), ``failed`` (engine error/timeout),
             ``cancelled`` (client went away), ``rejected`` (refused by admission, a full
-            engine queue or a response format the backend could not compile; never ran). Whether it is billed: :attr:`served`.
+            engine queue, a response format or tools the server refused; never ran). Whether it is billed: :attr:`served`.
         finish_reason: ``stop``/``length`` for finished requests.
         error_code, error_message: for failed/rejected ones.
         completion_tokens: tokens emitted (for cancelled ones: emitted before the abort).

@@ -31,7 +31,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -41,12 +41,13 @@ from gateway.observability.observe import (
     CANCELLED, FAILED, FINISHED, REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed,
 )
 from gateway.openai.formatters import Formatter
+from gateway.openai.tool_parser import ToolCallParser
 from gateway.openai.generation import (
-    DONE, EventStream, SSEResponse, close_events, failure_error, is_normal_finish, sse, start_error,
-    unless_disconnected,
+    DONE, EventStream, SSEResponse, close_events, failure_error, is_normal_finish, response_format_param, sse,
+    start_error, unless_disconnected,
 )
 from runtime.interface import (
-    Backend, Event, Failed, Finished, FinishReason, GenerationRequest, QueueFullError, RequestTimings, SpecStats,
+    Backend, Event, Failed, Finished, FinishReason, GenerationRequest, GrammarError, QueueFullError, RequestTimings, SpecStats,
     TextDelta, TokenLogprob,
 )
 
@@ -168,8 +169,10 @@ async def start_choices(
     request: Request,
     ctx: RequestContext,
     observers: Sequence[RequestObserver],
+    grammar_param: Callable[[GrammarError], str | None] = response_format_param,
 ) -> list[EventStream]:
-    """Submit every choice's request and wait for each one's first event (module docstring).
+    """Submit every choice's request and wait for each one's first event (module docstring;
+    ``grammar_param`` as for :func:`gateway.openai.generation.start_generation`).
 
     Raises:
         APIError: as :func:`gateway.openai.generation.start_generation` (503 queue full or not
@@ -202,7 +205,7 @@ async def start_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close_all(streams)
         outcomes.close()
-        err = start_error(exc)
+        err = start_error(exc, grammar_param)
         if err is exc:
             raise
         raise err from None
@@ -260,10 +263,13 @@ def indexed(payload: dict, index: int) -> dict:
 
 
 def choice_formatter(fmt: Formatter, index: int) -> Formatter:
-    """A formatter for choice ``index``: the same id, created and model, its own logprobs state."""
+    """A formatter for choice ``index``: the same id, created and model, its own state (logprobs
+    offsets; with tools, its own streaming tool-call parser)."""
     out = copy.copy(fmt)
     if fmt.logprobs is not None:
         out.logprobs = fmt.logprobs.fresh()
+    if getattr(fmt, "parser", None) is not None:
+        out.parser = ToolCallParser(fmt.parser.new_id)
     return out
 
 
@@ -329,10 +335,12 @@ async def sse_choices(streams: Sequence[EventStream], fmts: Sequence[Formatter],
         async for i, event in events:
             if isinstance(event, TextDelta):
                 if event.text or event.logprobs:
-                    yield sse(indexed(fmts[i].delta(event.text, event.logprobs), i))
+                    for payload in fmts[i].delta(event.text, event.logprobs):
+                        yield sse(indexed(payload, i))
             elif is_normal_finish(event):
                 ends[i] = event
-                yield sse(indexed(fmts[i].finish(event), i))
+                for payload in fmts[i].finish(event):
+                    yield sse(indexed(payload, i))
             else:
                 yield sse(failure_error(event).body())
                 failed = True
@@ -365,9 +373,10 @@ async def respond_choices(
     fmt: Formatter,
     stream: bool,
     include_usage: bool,
+    grammar_param: Callable[[GrammarError], str | None] = response_format_param,
 ) -> Response:
     """Run ``n`` choices of ``gen_request`` and build the HTTP response (SSE or JSON)."""
-    streams = await start_choices(backend, choice_requests(gen_request, n), request, ctx, observers)
+    streams = await start_choices(backend, choice_requests(gen_request, n), request, ctx, observers, grammar_param)
     fmts = [choice_formatter(fmt, i) for i in range(n)]
     if stream:
         return SSEResponse(sse_choices(streams, fmts, include_usage))

@@ -95,21 +95,29 @@ def failure_error(event: Failed | Finished) -> APIError:
                         "request_aborted")
 
 
-def grammar_error(exc: GrammarError) -> APIError:
-    """400 for a response format the backend refused; ``param`` points into the request
-    (``response_format.json_schema.schema.<path to the keyword>``)."""
-    param = "response_format" if exc.param is None else f"response_format.json_schema.schema.{exc.param}"
-    return invalid_request(exc.message, param, exc.code)
+def response_format_param(exc: GrammarError) -> str:
+    """Where a refused ``response_format`` points: ``response_format.json_schema.schema.<path
+    to the keyword>``, or ``response_format`` for the schema as a whole."""
+    return "response_format" if exc.param is None else f"response_format.json_schema.schema.{exc.param}"
 
 
-def start_error(exc: BaseException) -> BaseException:
+def grammar_error(exc: GrammarError, param_of: Callable[[GrammarError], str | None] = response_format_param) -> APIError:
+    """400 for a response format (JSON or tool calls) the backend refused; ``param_of`` says
+    where it points into the request (:func:`response_format_param`,
+    :func:`gateway.openai.tools.grammar_param`)."""
+    return invalid_request(exc.message, param_of(exc), exc.code)
+
+
+def start_error(exc: BaseException,
+                grammar_param: Callable[[GrammarError], str | None] = response_format_param) -> BaseException:
     """What to raise for ``exc`` raised while a generation starts: 503 for a full queue
     (raised by ``generate()`` or by the first ``__anext__()``), 400 for a refused response
-    format, 500 for a stream that ended without an event; anything else as it is."""
+    format (``param`` by ``grammar_param``), 500 for a stream that ended without an event;
+    anything else as it is."""
     if isinstance(exc, QueueFullError):
         return overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s)
     if isinstance(exc, GrammarError):
-        return grammar_error(exc)
+        return grammar_error(exc, grammar_param)
     if isinstance(exc, StopAsyncIteration):
         return server_error("The engine ended the request without a result.")
     return exc
@@ -145,11 +153,13 @@ async def start_generation(
     request: Request,
     ctx: RequestContext | None = None,
     observers: Sequence[RequestObserver] = (),
+    grammar_param: Callable[[GrammarError], str | None] = response_format_param,
 ) -> EventStream:
     """Submit ``gen_request`` and wait for its first event (see module docstring).
 
     With ``ctx``, the event stream is wrapped by :func:`gateway.observability.observe.observed`, so
     every observer sees this request's outcome exactly once (also when it is rejected).
+    ``grammar_param``: where a refused response format points in the request (:func:`grammar_error`).
 
     Raises:
         APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 400 when the
@@ -173,7 +183,7 @@ async def start_generation(
     except BaseException as exc:
         if events is not None:
             await close_events(events)
-        err = start_error(exc)
+        err = start_error(exc, grammar_param)
         if err is exc:
             raise
         raise err from None
@@ -226,9 +236,11 @@ async def sse_events(
         async for event in stream:
             if isinstance(event, TextDelta):
                 if event.text or event.logprobs:
-                    yield sse(fmt.delta(event.text, event.logprobs))
+                    for payload in fmt.delta(event.text, event.logprobs):
+                        yield sse(payload)
             elif is_normal_finish(event):
-                yield sse(fmt.finish(event))
+                for payload in fmt.finish(event):
+                    yield sse(payload)
                 if include_usage:
                     yield sse(fmt.usage_chunk(event))
                 break

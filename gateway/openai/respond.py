@@ -3,18 +3,20 @@ tokenized: clamp ``max_tokens``, admit, submit, then stream (SSE) or answer JSON
 
 from __future__ import annotations
 
+from typing import Callable
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.core.security import Principal
 from gateway.core.errors import APIError
 from gateway.openai.choices import respond_choices
-from gateway.openai.formatters import Formatter
-from gateway.openai.generation import SSEResponse, collect, sse_events, start_generation
-from gateway.observability.observe import RequestContext
+from gateway.openai.formatters import Formatter, new_id
+from gateway.openai.generation import SSEResponse, collect, response_format_param, sse_events, start_generation
+from gateway.observability.observe import REJECTED, RequestContext, RequestOutcome, notify
 from gateway.openai.schemas import BaseCompletionRequest
 from gateway.openai.translate import check_sampling, completion_budget, generation_request, requested_max_tokens
-from runtime.interface import Backend, ResponseFormat
+from runtime.interface import Backend, GrammarError, ResponseFormat
 
 
 async def respond(
@@ -26,9 +28,11 @@ async def respond(
     fmt: Formatter,
     prompt_param: str,
     response_format: ResponseFormat | None = None,
+    grammar_param: Callable[[GrammarError], str | None] = response_format_param,
 ) -> Response:
     """Run the request and build the HTTP response (``response_format``: the chat request's,
-    :func:`gateway.openai.translate.response_format`).
+    :func:`gateway.openai.translate.response_format` or :func:`gateway.openai.tools.tool_format`;
+    ``grammar_param``: where a refusal of it points, :func:`gateway.openai.generation.grammar_error`).
 
     ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
     context when absent), so an over-long request ends with ``finish_reason: "length"``.
@@ -59,12 +63,12 @@ async def respond(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if n > 1:
             response: Response = await respond_choices(request, backend, gen_request, n, ctx, state.observers, fmt,
-                                                       bool(body.stream), include_usage)
+                                                       bool(body.stream), include_usage, grammar_param)
         elif body.stream:
-            stream = await start_generation(backend, gen_request, request, ctx, state.observers)
+            stream = await start_generation(backend, gen_request, request, ctx, state.observers, grammar_param)
             response = SSEResponse(sse_events(stream, fmt, include_usage))
         else:
-            stream = await start_generation(backend, gen_request, request, ctx, state.observers)
+            stream = await start_generation(backend, gen_request, request, ctx, state.observers, grammar_param)
             text, finished, logprobs = await collect(stream, request)
             response = JSONResponse(fmt.complete(text, finished, logprobs))
     except BaseException as exc:
@@ -75,3 +79,14 @@ async def respond(
         raise
     response.headers.update(headers)
     return response
+
+
+def record_refusal(request: Request, principal: Principal, body: BaseCompletionRequest, endpoint: str,
+                   exc: APIError) -> None:
+    """Leave a ``rejected`` request record (and outcome for every observer) for a request
+    refused with ``exc`` before it reached the engine — used for refused tools, which a
+    tenant should be able to find in its records like a refused response format."""
+    ctx = RequestContext(request_id=new_id("chatcmpl" if endpoint == "chat" else "cmpl"), endpoint=endpoint,
+                         model=body.model, stream=bool(body.stream), prompt_tokens=0, max_tokens=0,
+                         tenant=principal.tenant, user=body.user or principal.user_label, key_id=principal.key_id)
+    notify(request.app.state.observers, RequestOutcome(ctx, REJECTED, error_code=exc.code, error_message=exc.message))

@@ -35,12 +35,50 @@ class ContentPart(_Request):
     text: Text | None = None
 
 
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class ToolCallFunction(_Request):
+    name: Text
+    arguments: Text  # the JSON text of the arguments, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    """One element of an assistant message's ``tool_calls`` (a call made earlier in the conversation)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_calls: Any = None
-    function_call: Any = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call they answer
+    function_call: Any = None  # deprecated by OpenAI: refused by name (gateway.openai.translate)
+
+
+class FunctionDefinition(_Request):
+    """``tools[i].function``. Which schema keywords ``parameters`` may use:
+    :func:`runtime.engine.grammar.check_schema` (others → 400 naming the keyword)."""
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolList(_Request):
+    """``tools`` of a chat request (at most 128, OpenAI's limit)."""
+
+    tools: Annotated[list[FunctionTool], Field(max_length=128)]
 
 
 class StreamOptions(_Request):
@@ -121,8 +159,10 @@ class BaseCompletionRequest(_Request):
 class ChatCompletionRequest(BaseCompletionRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    # validated by gateway.openai.tools (so that a refused tool leaves a request record):
+    tools: Any = None  # list of FunctionTool (ToolList)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -191,10 +231,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text (a prefix of it when the reply was cut by max_tokens)
+
+
+class ToolCall(BaseModel):
+    id: str  # call_…
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """``tool_calls`` is left out (not ``null``) when the reply has none; ``content`` is
+    ``null`` when it has calls and no text."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -217,7 +279,7 @@ class ChatCompletion(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int = 0
-    delta: dict  # {"role": "assistant", "content": ""} first, then {"content": "..."}, last {}
+    delta: dict  # {"role": "assistant", "content": ""} first, then {"content": "..."} / {"tool_calls": [...]}, last {}
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 

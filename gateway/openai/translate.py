@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Iterable
 
 from gateway.core.errors import invalid_request, model_not_found, unsupported
+from gateway.openai import tools
 from gateway.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, BaseCompletionRequest
 from gateway.observability.observe import RequestContext
 from runtime.interface import BackendInfo, GenerationRequest, ResponseFormat, SamplingParams, clamp_max_tokens
 
 # OpenAI role → role given to the chat template. "developer" is OpenAI's newer name for "system".
-TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-UNSUPPORTED_ROLES = {"tool", "function"}
+TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+UNSUPPORTED_ROLES = {"function"}
 
 
 def _short_name(name: str) -> str:
@@ -38,18 +39,15 @@ def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()
 def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
-    Neutral values are accepted: ``tools: []``, ``tool_choice: "none"``. (``response_format``:
-    :func:`response_format`; the sampling fields: :func:`check_sampling`.)
-    ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI answers it).
+    Neutral values are accepted: ``functions: []``, ``function_call: "none"``. (``response_format``:
+    :func:`response_format`; ``tools``: :mod:`gateway.openai.tools`; the sampling fields:
+    :func:`check_sampling`.) ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI
+    answers it).
     """
-    if body.tools not in (None, []):
-        raise unsupported("tools", "Tool calling is not available yet.")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "Tool calling is not available yet.")
     if body.functions not in (None, []):
-        raise unsupported("functions", "Function calling is not available yet.")
+        raise unsupported("functions", "The deprecated 'functions' are not supported; use 'tools'.")
     if body.function_call not in (None, "none"):
-        raise unsupported("function_call", "Function calling is not available yet.")
+        raise unsupported("function_call", "The deprecated 'function_call' is not supported; use 'tool_choice'.")
     if body.top_logprobs is not None and body.logprobs is not True:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
 
@@ -136,7 +134,7 @@ def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | 
 
 def _message_text(msg: ChatMessage, i: int) -> str:
     if msg.content is None:
-        if msg.role == "assistant" and not msg.tool_calls and not msg.function_call:
+        if msg.role == "assistant" and not msg.function_call:
             return ""
         raise invalid_request(f"messages[{i}].content is required for role '{msg.role}'.",
                               f"messages[{i}].content")
@@ -150,24 +148,37 @@ def _message_text(msg: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """``[{"role", "content": str}]`` for :meth:`Backend.apply_chat_template`.
+def template_messages(messages: list[ChatMessage], names: dict[str, str] | None = None) -> list[dict]:
+    """The conversation in Hugging Face's shape: ``[{"role", "content": str}]``, assistant
+    messages with calls as :func:`gateway.openai.tools.assistant_message`, tool results as
+    :func:`gateway.openai.tools.tool_message` (:func:`gateway.openai.tools.prompt_messages`
+    renders them for the template).
 
-    Text parts are joined; ``developer`` → ``system``; ``tool``/``function`` roles and
-    assistant ``tool_calls`` → 400 unsupported; any other role → 400.
+    Text parts are joined; ``developer`` → ``system``; the ``function`` role and an
+    assistant's ``function_call`` → 400 unsupported; any other role → 400; tool messages
+    must answer an earlier call (:func:`gateway.openai.tools.call_names`; ``names``: its
+    result when the caller checked already).
     """
     out = []
     for i, msg in enumerate(messages):
         param = f"messages[{i}].role"
         if msg.role in UNSUPPORTED_ROLES:
-            raise unsupported(param, f"Messages with role '{msg.role}' are not supported yet.")
+            raise unsupported(param, f"Messages with role '{msg.role}' are not supported; use role 'tool'.")
         if msg.role not in TEMPLATE_ROLES:
             raise invalid_request(
                 f"Invalid value for 'role': '{msg.role}'. Supported values are: 'system', 'developer', "
-                "'user' and 'assistant'.", param, "invalid_value")
-        if msg.tool_calls or msg.function_call:
-            raise unsupported(f"messages[{i}].tool_calls", "Tool calling is not available yet.")
-        out.append({"role": TEMPLATE_ROLES[msg.role], "content": _message_text(msg, i)})
+                "'user', 'assistant' and 'tool'.", param, "invalid_value")
+        if msg.function_call:
+            raise unsupported(f"messages[{i}].function_call", "Use 'tool_calls'.")
+    names = tools.call_names(messages) if names is None else names
+    for i, msg in enumerate(messages):
+        text = _message_text(msg, i)
+        if msg.role == "tool":
+            out.append(tools.tool_message(text, msg.tool_call_id, names[msg.tool_call_id]))
+        elif msg.tool_calls:
+            out.append(tools.assistant_message(text, msg.tool_calls))
+        else:
+            out.append({"role": TEMPLATE_ROLES[msg.role], "content": text})
     return out
 
 

@@ -6,7 +6,7 @@ event loop only enqueues commands (add/abort) and awaits per-request
 PyTorch releases the GIL inside its kernels, so streaming stays responsive.
 Because the engine lives in the gateway process, metrics are exported from it.
 
-A request with a ``response_format`` has its grammar compiled here, before it is queued,
+A request with a ``response_format`` (JSON or tool calls) has its grammar compiled here, before it is queued,
 on the grammar cache's compile pool (:meth:`runtime.engine.grammar.GrammarCache.compile_async`:
 cached by schema hash, size and time limits): never on the engine thread.
 """
@@ -82,7 +82,8 @@ class AsyncEngine(GatewayTokenization):
             return BackendInfo(MODEL_NAME, self.config.max_context, 2, supports_response_format=True)
         cfg = getattr(getattr(self.engine, "model", None), "cfg", None)
         return BackendInfo(self.engine.model_name, self.config.max_context, self.engine.eos_token_id,
-                           supports_response_format=True, vocab_size=getattr(cfg, "vocab_size", None))
+                           supports_response_format=True, chat_template_tools=self.chat_template_tools,
+                           vocab_size=getattr(cfg, "vocab_size", None))
 
     # -- streaming --------------------------------------------------------------
     def load(self) -> LoadSnapshot:

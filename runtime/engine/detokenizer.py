@@ -44,6 +44,7 @@ Conventions (OpenAI chat-completions, as served by vLLM):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -330,6 +331,16 @@ def drop_incomplete_tail(text: str, tokenizer, token_ids: Sequence[int]) -> str:
     return text
 
 
+def template_renders_tools(tokenizer) -> bool:
+    """Whether a Hugging Face tokenizer's chat template has a tool section of its own (its
+    Jinja source reads the ``tools`` variable, as Qwen2.5's, Llama 3.1's and Hermes 2 Pro's
+    do; SmolLM2's plain ChatML does not)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or a "tool_use" one
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
 class GatewayTokenization:
     """The :class:`~runtime.interface.Backend` methods that run on the gateway side, over the
     backend's Hugging Face tokenizer ``self._tokenizer``: the ChatML prompt, plain encoding
@@ -337,9 +348,17 @@ class GatewayTokenization:
 
     _tokenizer: object
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        extra = {} if tools is None else {"tools": list(tools)}
+        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def chat_template_tools(self) -> bool:
+        """:attr:`runtime.interface.BackendInfo.chat_template_tools` (``False`` before the
+        tokenizer is loaded)."""
+        tok = getattr(self, "_tokenizer", None)
+        return tok is not None and template_renders_tools(tok)
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)

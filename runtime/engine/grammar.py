@@ -1,6 +1,7 @@
 """Constrained decoding: JSON grammars compiled once per schema, matched once per request.
 
-Two parts, one concept (the grammar of a request's :class:`runtime.interface.ResponseFormat`):
+Two parts, one concept (the grammar of a request's :class:`runtime.interface.ResponseFormat`:
+JSON, or tool calls whose grammar :mod:`runtime.engine.tool_grammar` builds):
 
 * :class:`GrammarCache` compiles a response format into an xgrammar ``CompiledGrammar``
   (the grammar engine SGLang and vLLM use: a pushdown automaton over the tokenizer's
@@ -47,6 +48,7 @@ from typing import Any, Sequence
 
 import torch
 
+from runtime.engine.tool_grammar import parameters, structural_tag
 from runtime.interface import GrammarError, ResponseFormat
 
 #: Largest schema accepted, in bytes of its compact JSON.
@@ -144,8 +146,12 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
 
 
 def canonical(fmt: ResponseFormat) -> str:
-    """The schema's identity: compact JSON with sorted keys, prefixed by type and strictness."""
-    body = json.dumps(fmt.schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The format's identity: compact JSON with sorted keys, prefixed by type and strictness
+    (for tool calls: the tools' names and parameters in order, the choice and parallelism)."""
+    spec = fmt.schema
+    if fmt.type == "tool_calls":
+        spec = [[[t.name, t.parameters] for t in fmt.tools], fmt.tool_choice, bool(fmt.parallel_tool_calls)]
+    body = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return f"{fmt.type}\x1f{bool(fmt.strict)}\x1f{body}"
 
 
@@ -232,16 +238,32 @@ class GrammarCache:
         """The cheap checks (type, size, keywords) in the caller's thread; returns the cache key.
 
         Raises:
-            GrammarError: as :func:`check_schema`; ``schema_too_large`` over ``max_schema_bytes``.
+            GrammarError: as :func:`check_schema` (for tool calls with ``tool`` = the index of
+                the tool whose parameters fail it); ``schema_too_large`` over
+                ``max_schema_bytes`` (for tool calls: all tools' parameters together);
+                ``invalid_schema`` for a tool-calls format without tools or with an unknown
+                ``tool_choice``.
         """
-        if fmt.type not in ("json_object", "json_schema"):
+        if fmt.type not in ("json_object", "json_schema", "tool_calls"):
             raise GrammarError(f"Unknown response format type {fmt.type!r}.", None, "invalid_schema")
         size = len(canonical(fmt).encode("utf-8", "surrogatepass"))
         if size > self.max_schema_bytes:
-            raise GrammarError(f"The schema is {size} bytes; the limit is {self.max_schema_bytes}.", None,
+            what = "The tools' parameter schemas are" if fmt.type == "tool_calls" else "The schema is"
+            raise GrammarError(f"{what} {size} bytes; the limit is {self.max_schema_bytes}.", None,
                                "schema_too_large")
         if fmt.type == "json_schema":
             check_schema(fmt.schema)
+        elif fmt.type == "tool_calls":
+            if not fmt.tools or fmt.tool_choice not in ("auto", "required"):
+                raise GrammarError(f"A tool-calls format needs tools and tool_choice 'auto' or 'required', got "
+                                   f"{len(fmt.tools)} tools and {fmt.tool_choice!r}.", None, "invalid_schema")
+            for i, tool in enumerate(fmt.tools):
+                if tool.parameters is not None:
+                    try:
+                        check_schema(tool.parameters)
+                    except GrammarError as exc:
+                        exc.tool = i
+                        raise
         return schema_hash(fmt)
 
     def _build(self, key: str, fmt: ResponseFormat, limit_s: float | None = None):
@@ -250,11 +272,15 @@ class GrammarCache:
         t0 = time.perf_counter()
         try:
             comp = self.compiler()
-            if fmt.type == "json_object" or fmt.schema is None:  # any JSON object, any properties
+            if fmt.type == "tool_calls":
+                out = self._compile_tools(comp, fmt)
+            elif fmt.type == "json_object" or fmt.schema is None:  # any JSON object, any properties
                 out = comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             else:
                 out = comp.compile_json_schema(json.dumps(fmt.schema, ensure_ascii=False), any_whitespace=False,
                                                strict_mode=True)
+        except GrammarError as exc:
+            out = exc
         except Exception as exc:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError on bad schemas
             out = GrammarError(f"Invalid JSON schema: {_xgrammar_message(exc)}", None, "invalid_schema")
         self.compiles += 1
@@ -268,6 +294,23 @@ class GrammarCache:
                                    "schema_too_large")
         self._store(key, out)
         return out
+
+    @staticmethod
+    def _compile_tools(comp, fmt: ResponseFormat):
+        """The structural tag of :mod:`runtime.engine.tool_grammar`, each tool's arguments
+        under the same JSON grammar as a ``json_schema`` format (compact, strict). A schema
+        xgrammar refuses is a GrammarError naming its tool."""
+        import xgrammar as xgr
+
+        grammars = []
+        for i, tool in enumerate(fmt.tools):
+            try:
+                schema = json.dumps(parameters(tool), ensure_ascii=False)
+                grammars.append(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
+            except Exception as exc:  # noqa: BLE001 — as in _build
+                raise GrammarError(f"Invalid JSON schema in the parameters of tool '{tool.name}': "
+                                   f"{_xgrammar_message(exc)}", None, "invalid_schema", tool=i) from None
+        return comp.compile_structural_tag(json.dumps(structural_tag(fmt, grammars), ensure_ascii=False))
 
     def _timeout_error(self) -> GrammarError:
         return GrammarError(f"The schema took longer than {self.compile_timeout_s:g} s to compile; simplify it "

@@ -80,8 +80,9 @@ def test_openai_sdk_errors(server):
     client = sdk(server)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert exc.value.param == "tools" and exc.value.code == "unsupported_parameter"
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert exc.value.param == "tool_choice" and exc.value.code == "invalid_value"
     with pytest.raises(openai.NotFoundError) as exc:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     assert exc.value.code == "model_not_found"

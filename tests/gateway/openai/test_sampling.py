@@ -89,6 +89,27 @@ async def test_n_on_legacy_completions(client, auth, backend):
     assert data["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
 
 
+async def test_n_choices_with_tools_parse_each_reply_on_its_own(client, auth, backend):
+    """Each choice has its own streaming tool-call parser: both streamed choices assemble the
+    whole call (one parser shared by interleaved choices would mix them up)."""
+    from tests.gateway.openai.test_tools import SCRIPT, WEATHER
+
+    backend.max_context, backend.script, backend.token_delay_s = 4096, SCRIPT, 0.002
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER], "n": 2}
+    whole = (await client.post(URL, json=body, headers=auth)).json()["choices"]
+    assert [c["finish_reason"] for c in whole] == ["tool_calls"] * 2
+    assert [c["message"]["tool_calls"][0]["function"]["arguments"] for c in whole] == ['{"city": "Paris"}'] * 2
+    chunks = [e for e in parse_sse((await client.post(URL, json={**body, "stream": True}, headers=auth)).text)
+              if e != "[DONE]"]
+    for i in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(d.get("content", "") for d in deltas) == "I will check."
+        args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if "tool_calls" in d)
+        assert args == '{"city": "Paris"}'
+        assert [c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"][0]["index"] == i and c["choices"][0]["finish_reason"]] == ["tool_calls"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_n_engine_failure_is_a_500_or_an_error_event(client, auth, backend, stream):
     backend.fail_after_deltas = 2

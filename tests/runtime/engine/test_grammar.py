@@ -164,8 +164,8 @@ PLAIN_PROMPTS = ["Tell me a joke.", "What is 2 + 3?", "Write a haiku about the s
 
 
 def run_engine(model, tokenizer, reqs, warm_up: str | None = None, **cfg):
-    """Run ``reqs`` (``(id, prompt, SamplingParams, ResponseFormat | None)``) in one engine;
-    returns ``{id: (text, tokens, final event)}``. ``warm_up``: a prompt run alone first, so
+    """Run ``reqs`` (``(id, prompt, SamplingParams, ResponseFormat | None)``, the prompt a user
+    message or token ids) in one engine; returns ``{id: (text, tokens, final event)}``. ``warm_up``: a prompt run alone first, so
     the requests that share it prefill only its last block (prefix cache)."""
     events: dict[str, list] = {}
     engine = LLMEngine(EngineConfig(**{"dtype": "gguf", "max_batch_size": 64, "max_context": 1024,
@@ -177,7 +177,8 @@ def run_engine(model, tokenizer, reqs, warm_up: str | None = None, **cfg):
             engine.step()
         del events["warm-up"]
     for rid, prompt, sp, fmt in reqs:
-        engine.add_request(GenerationRequest(rid, chat_ids(tokenizer, prompt), sp, response_format=fmt))
+        ids = chat_ids(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        engine.add_request(GenerationRequest(rid, ids, sp, response_format=fmt))
     while engine.has_work():
         engine.step()
     return engine, {k: ("".join(e.text for e in v if isinstance(e, TextDelta)),

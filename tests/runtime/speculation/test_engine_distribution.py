@@ -15,9 +15,15 @@ bit, which the tests check; T = 1, top-p/top-k off):
 * ``prompt_lookup``: the n-gram drafter, γ = 1, policy ``fixed`` (it verifies whatever
   matched; with this model at T = 1 a second n-gram draft is accepted in ~3 % of the rounds
   that verify one, so
-  slot 2 would cost a row per round for little: multi-slot rounds are DSpark's).
+  slot 2 would cost a row per round for little: multi-slot rounds are DSpark's);
+* ``hybrid``: per request an n-gram draft where one matches and its calibrated acceptance
+  beats the request's DSpark record, else a fused DSpark block, γ = 3, ``dspark-sla`` with the
+  SLA weights and table of ``dspark``; which requests DSpark drafts is pinned to "every one that
+  prefers it" (the served choice also weighs measured drafting time, which would make the run
+  depend on the machine). On the forced gate's plain steps it still verifies n-gram drafts.
+  Observed: 1591 / 603 / 311 rounds with ℓ = 1 / 2 / 3, family p = 0.87; the planted bug caught.
 
-Both: the speculation gate is forced (a counter) to speculate four decode steps, then run
+All three: the speculation gate is forced (a counter) to speculate four decode steps, then run
 one plain, …; 64 requests decode per step; every request has max_tokens 16 (15 tokens
 from verification rounds, so many rounds per request). The prompt is one chat turn asking
 for a poem with 123 common words, 161 tokens (16·k + 1: after a warm-up request the prefix
@@ -196,6 +202,10 @@ SETTINGS: dict[str, Setting] = {
     "dspark": Setting("dspark", "dspark-sla", 3, PROMPT, 240, 16, 16, every_fifth_plain, sla_target=15.0,
                       sps=sps_affine(1.0, 0.001)),
     "prompt_lookup": Setting("prompt_lookup", "fixed", 1, PROMPT, 320, 16, 16, every_fifth_plain),
+    # n-gram drafts where they match (the word-list prompt makes many), else fused DSpark blocks;
+    # the forced gate's plain steps still verify n-gram drafts (they cost no drafting)
+    "hybrid": Setting("hybrid", "dspark-sla", 3, PROMPT, 240, 16, 16, every_fifth_plain, sla_target=15.0,
+                      sps=sps_affine(1.0, 0.001)),
 }
 METHODS = list(SETTINGS)
 
@@ -252,6 +262,8 @@ class Run:
         weights: Counter of SLA weights (rounded) the scheduler was given.
         logits: (request id, position) → verification logits row (requests of :data:`CHECKED`).
         spec_steps, gated_steps: decode steps that drafted / that the forced gate ran plainly.
+        proposers: Counter of verified drafts (ℓ_r > 0) by proposer, ``dspark`` / ``ngram``
+            (``hybrid`` only), split by whether the forced gate allowed drafting that step.
         seconds, cpu_seconds: the run's wall and process CPU time.
     """
 
@@ -265,6 +277,7 @@ class Run:
     logits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     spec_steps: int = 0
     gated_steps: int = 0
+    proposers: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
@@ -307,10 +320,15 @@ class Recorder:
         elif not isinstance(ev, Finished):
             raise AssertionError(f"{rid}: {ev}")
 
-    def wrap_verify(self, verify):
-        def wrapped(seqs, *args, **kwargs):
+    def wrap_verify(self, verify, gate=None):
+        def wrapped(seqs, proposal, *args, **kwargs):
             self.seqs = seqs
-            return verify(seqs, *args, **kwargs)
+            if proposal is not None and proposal.from_drafter is not None:  # hybrid: who drafted what
+                step = "gate off" if gate is not None and not gate.last else "gate on"
+                for mine, ell in zip(proposal.from_drafter, proposal.lengths):
+                    if ell:
+                        self.run.proposers[("dspark" if mine else "ngram", step)] += 1
+            return verify(seqs, proposal, *args, **kwargs)
 
         return wrapped
 
@@ -396,9 +414,12 @@ def run_engine(engine: LLMEngine, setting: Setting, prompt: list[int], bug: bool
         mp.setattr(llm_engine, "time", clock)
         mp.setattr(sequence, "time", clock)
         mp.setattr(speculator, "schedule", rec.schedule)
-        mp.setattr(engine, "_verify", rec.wrap_verify(engine._verify))
+        gate = ForcedGate(setting.gate)
+        mp.setattr(engine, "_verify", rec.wrap_verify(engine._verify, gate))
         mp.setattr(engine, "emit", rec.emit)
-        mp.setattr(engine, "gate", ForcedGate(setting.gate))
+        mp.setattr(engine, "gate", gate)
+        if setting.spec_method == "hybrid":  # which requests DSpark drafts: from past rounds, not from timings
+            mp.setattr(engine.speculator, "_worth_drafting", lambda seqs, rnd, wanted: wanted)
         if bug:
             mp.setattr(verifier, "residual", residual_at_bug_temperature)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -624,7 +645,14 @@ def test_engine_output_is_the_target_distribution(gguf_model, runs, name):
     assert mine["accepted"] >= 100 and mine["residual"] >= 1000 and mine["bonus"] >= 20 and mine["plain"] >= 200, mine
     for k in range(min(SETTINGS[name].gamma, 2)):
         assert run.accepted[k] >= 20 and run.verified[k] - run.accepted[k] >= 100, (k, run.verified, run.accepted)
-    assert run.spec_steps >= 3 * run.gated_steps > 0
+    if SETTINGS[name].spec_method == "hybrid":
+        # both proposers verified drafts; the forced gate's plain steps drafted no DSpark block but
+        # still verified n-gram drafts (so no step of the hybrid is a plain one)
+        p = run.proposers
+        assert p[("dspark", "gate on")] >= 100 and p[("ngram", "gate on")] >= 100 and p[("ngram", "gate off")] >= 20, p
+        assert p[("dspark", "gate off")] == 0, p
+    else:
+        assert run.spec_steps >= 3 * run.gated_steps > 0
     if SETTINGS[name].sla_target is not None:  # SLA weights reached the scheduler
         assert sum(n for w, n in run.weights.items() if w >= 2.0) >= 500 and run.weights[1.0] >= 500
     assert v.logits_max_diff == 0.0  # gguf is row-invariant: the engine's rows are the target's exactly

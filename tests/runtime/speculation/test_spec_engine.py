@@ -88,10 +88,12 @@ class ForcedGate:
     def __init__(self, decide):
         self.decide = decide
         self.calls = 0
+        self.last: bool | None = None  # the latest decision
 
     def speculate(self, num_seqs: int) -> bool:
         self.calls += 1
-        return self.decide(self.calls)
+        self.last = self.decide(self.calls)
+        return self.last
 
     def record(self, *args) -> None:
         pass

@@ -42,6 +42,21 @@ class SamplingParams:
             ``0..MAX_TOP_LOGPROBS`` → every completion token's :class:`TokenLogprob`
             (its target logprob and the n most likely tokens, see the module
             docstring) rides on the :class:`TextDelta` that carries it.
+        presence_penalty, frequency_penalty: OpenAI's, in [−2, 2]: the logit of a token
+            already generated c > 0 times drops by ``presence + c · frequency``.
+        repetition_penalty: vLLM/HF's, > 0 (1 = off): the logit of a token in the prompt
+            or the output is divided by it when positive, multiplied when negative.
+        logit_bias: ``(token id, bias)`` pairs, bias in [−100, 100], added to the logits.
+        min_p: vLLM's, in [0, 1] (0 = off): after temperature, drop the tokens whose
+            probability is below ``min_p`` times the most likely one's.
+        min_tokens: EOS and ``stop_token_ids`` are never sampled, and stop strings not
+            matched, before this many completion tokens (vLLM's ``min_tokens``).
+        stop_token_ids: token ids that end the reply like EOS (finish ``stop``; the token
+            counts but adds no text).
+
+    The logits processors (penalties, ``logit_bias``, ``min_tokens``) act on the logits
+    before temperature, ``min_p``, top-k and top-p, in vLLM's order
+    (:mod:`runtime.engine.logits_processors`); logprobs stay the raw target's.
     """
 
     temperature: float = 1.0
@@ -52,6 +67,19 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether any penalty, ``logit_bias`` or ``min_tokens`` is set (else no cost at all)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens > 0)
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI chat's ``top_logprobs`` limit; the engine refuses more
@@ -346,6 +374,7 @@ class BackendInfo:
     # True → the chat template renders tools itself (it reads ``tools``): the gateway passes tool
     # definitions and tool messages to apply_chat_template instead of rendering them (Hermes style)
     chat_template_tools: bool = False
+    vocab_size: int | None = None  # token ids in logit_bias / stop_token_ids must be below it (None: unknown)
 
 
 @dataclass

@@ -69,6 +69,8 @@ class RequestContext:
         predicted_tokens_per_s: admission's predicted decode tok/s for this request.
         admission_wait_s: seconds spent in the admission queue (rate limits, concurrency, SLA).
         received_wall: ``time.time()`` when the gateway submitted it (seconds).
+        choices: ``n``, the independent choices it asked for (each an engine request of up
+            to ``max_tokens``; :mod:`gateway.openai.choices` reports them as one outcome).
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class RequestContext:
     admission_wait_s: float | None = None
     received_wall: float = field(default_factory=time.time)
     received_mono: float = field(default_factory=time.monotonic)
+    choices: int = 1
 
 
 @dataclass
@@ -131,9 +134,11 @@ class RequestOutcome:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        """The project's one definition (``runtime.interface.decode_tokens_per_s``)."""
+        """The project's one definition (``runtime.interface.decode_tokens_per_s``); with
+        ``n`` > 1 choices, of the mean tokens per choice over the first to the last token of any."""
         t = self.timings
-        return decode_tokens_per_s(self.completion_tokens, t and t.first_token, t and t.last_token)
+        return decode_tokens_per_s(round(self.completion_tokens / max(1, self.ctx.choices)), t and t.first_token,
+                                   t and t.last_token)
 
     @property
     def ttft_s(self) -> float | None:

@@ -108,6 +108,21 @@ def grammar_error(exc: GrammarError, param_of: Callable[[GrammarError], str | No
     return invalid_request(exc.message, param_of(exc), exc.code)
 
 
+def start_error(exc: BaseException,
+                grammar_param: Callable[[GrammarError], str | None] = response_format_param) -> BaseException:
+    """What to raise for ``exc`` raised while a generation starts: 503 for a full queue
+    (raised by ``generate()`` or by the first ``__anext__()``), 400 for a refused response
+    format (``param`` by ``grammar_param``), 500 for a stream that ended without an event;
+    anything else as it is."""
+    if isinstance(exc, QueueFullError):
+        return overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s)
+    if isinstance(exc, GrammarError):
+        return grammar_error(exc, grammar_param)
+    if isinstance(exc, StopAsyncIteration):
+        return server_error("The engine ended the request without a result.")
+    return exc
+
+
 def is_normal_finish(event: Event) -> bool:
     return isinstance(event, Finished) and event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -168,13 +183,10 @@ async def start_generation(
     except BaseException as exc:
         if events is not None:
             await close_events(events)
-        if isinstance(exc, QueueFullError):  # raised by generate() or by the first __anext__()
-            raise overloaded(str(exc) or "The engine queue is full.", exc.retry_after_s) from None
-        if isinstance(exc, GrammarError):
-            raise grammar_error(exc, grammar_param) from None
-        if isinstance(exc, StopAsyncIteration):
-            raise server_error("The engine ended the request without a result.") from None
-        raise
+        err = start_error(exc, grammar_param)
+        if err is exc:
+            raise
+        raise err from None
     stream = EventStream(events, first)
     if isinstance(first, Failed) or (isinstance(first, Finished) and not is_normal_finish(first)):
         await stream.aclose()

@@ -60,6 +60,10 @@ class LogprobsBuilder:
         self._chars = 0  # characters of the token texts rendered so far (legacy text_offset)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    def fresh(self) -> LogprobsBuilder:
+        """A builder with the same token lookup and ``num_top`` and no state (another choice)."""
+        return LogprobsBuilder(self._token_bytes, self.num_top)
+
     def _lookup(self, entries: Sequence[TokenLogprob]) -> dict[int, bytes]:
         ids = sorted({e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
         return dict(zip(ids, self._token_bytes(ids)))

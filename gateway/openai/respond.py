@@ -10,11 +10,12 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.core.security import Principal
 from gateway.core.errors import APIError
+from gateway.openai.choices import respond_choices
 from gateway.openai.formatters import Formatter, new_id
 from gateway.openai.generation import SSEResponse, collect, response_format_param, sse_events, start_generation
 from gateway.observability.observe import REJECTED, RequestContext, RequestOutcome, notify
 from gateway.openai.schemas import BaseCompletionRequest
-from gateway.openai.translate import completion_budget, generation_request, requested_max_tokens
+from gateway.openai.translate import check_sampling, completion_budget, generation_request, requested_max_tokens
 from runtime.interface import Backend, GrammarError, ResponseFormat
 
 
@@ -36,8 +37,11 @@ async def respond(
     ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
     context when absent), so an over-long request ends with ``finish_reason: "length"``.
     Admission resolves the tier's SLA target into ``ctx``; the runtime request is built from it.
+    ``n`` > 1 runs that many choices (:mod:`gateway.openai.choices`).
     """
     state = request.app.state
+    check_sampling(body, backend.info)
+    n = body.n or 1
     ctx = RequestContext(
         request_id=fmt.id,
         endpoint=prompt_param == "messages" and "chat" or "completions",
@@ -48,6 +52,7 @@ async def respond(
         tenant=principal.tenant,
         user=body.user or principal.user_label,
         key_id=principal.key_id,
+        choices=n,
     )
     admission = getattr(state, "admission", None)  # gateway.tenancy.admission: limits, queue, SLA (429s)
     ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
@@ -55,11 +60,15 @@ async def respond(
     try:
         gen_request = generation_request(ctx, prompt_ids, body, state.settings.request_timeout_s,
                                          fmt.num_top_logprobs, state.settings.prefix_cache_scope, response_format)
-        stream = await start_generation(backend, gen_request, request, ctx, state.observers, grammar_param)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            response: Response = SSEResponse(sse_events(stream, fmt, include_usage))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if n > 1:
+            response: Response = await respond_choices(request, backend, gen_request, n, ctx, state.observers, fmt,
+                                                       bool(body.stream), include_usage, grammar_param)
+        elif body.stream:
+            stream = await start_generation(backend, gen_request, request, ctx, state.observers, grammar_param)
+            response = SSEResponse(sse_events(stream, fmt, include_usage))
         else:
+            stream = await start_generation(backend, gen_request, request, ctx, state.observers, grammar_param)
             text, finished, logprobs = await collect(stream, request)
             response = JSONResponse(fmt.complete(text, finished, logprobs))
     except BaseException as exc:

@@ -4,7 +4,8 @@ Requests are validated strictly (no ``"1"`` → ``1`` coercion, no bools as ints
 and unknown fields are ignored, because agent frameworks send extras. Parameters
 that OpenAI defines but this server does not implement are declared as loose
 ``Any`` fields so :mod:`gateway.openai.translate` can reject them by name instead of
-ignoring them. Every string must be valid Unicode (:mod:`gateway.core.text`: a lone
+ignoring them; sampling fields carry their OpenAI (or vLLM) ranges, so an out-of-range
+value is a 400 naming the field. Every string must be valid Unicode (:mod:`gateway.core.text`: a lone
 surrogate is a 400 naming the field); ``user`` is stored, so it also may not hold NUL.
 Source: OpenAI API reference, "Chat" and "Completions (legacy)".
 """
@@ -18,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_ser
 from gateway.core.text import Label, Text
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+MAX_CHOICES = 8  # n: 1..8 (each choice is an engine request)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 class _Request(BaseModel):
@@ -139,11 +143,17 @@ class BaseCompletionRequest(_Request):
     ignore_eos: bool | None = False  # extension (benchmarks)
     return_spec_stats: bool | None = False  # Sparkgate extension
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # vLLM extension
-    # Defined by OpenAI, not implemented: rejected by name in gateway.openai.translate.
-    n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    # The sampling surface (README "Sampling parameters"; engine: runtime.engine.logits_processors)
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # independent choices: gateway.openai.choices
+    presence_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[FiniteFloat, Field(ge=-2.0, le=2.0)] | None = None
+    # token id (a decimal string, checked against the vocabulary in translate) → bias
+    logit_bias: Annotated[dict[str, Annotated[FiniteFloat, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    repetition_penalty: Annotated[FiniteFloat, Field(gt=0.0)] | None = None  # vLLM extension
+    min_p: Annotated[FiniteFloat, Field(ge=0.0, le=1.0)] | None = None  # vLLM extension
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # vLLM extension
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM
 
 
 class ChatCompletionRequest(BaseCompletionRequest):

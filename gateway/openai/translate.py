@@ -36,24 +36,13 @@ def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()
     raise model_not_found(requested)
 
 
-def _reject_common(body: BaseCompletionRequest) -> None:
-    if body.n is not None and body.n != 1:
-        raise unsupported("n", "Only n=1 is supported.")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value is not None and value != 0:
-            raise unsupported(name, "Only 0 is supported.")
-    if body.logit_bias not in (None, {}):
-        raise unsupported("logit_bias")
-
-
 def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
-    Neutral values are accepted: ``functions: []``, ``function_call: "none"``, ``n: 1``, zero
-    penalties, empty ``logit_bias``. (``response_format``: :func:`response_format`; ``tools``:
-    :mod:`gateway.openai.tools`.) ``top_logprobs`` without ``logprobs: true`` is a 400 (as
-    OpenAI answers it).
+    Neutral values are accepted: ``functions: []``, ``function_call: "none"``. (``response_format``:
+    :func:`response_format`; ``tools``: :mod:`gateway.openai.tools`; the sampling fields:
+    :func:`check_sampling`.) ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI
+    answers it).
     """
     if body.functions not in (None, []):
         raise unsupported("functions", "The deprecated 'functions' are not supported; use 'tools'.")
@@ -61,7 +50,6 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise unsupported("function_call", "The deprecated 'function_call' is not supported; use 'tool_choice'.")
     if body.top_logprobs is not None and body.logprobs is not True:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
-    _reject_common(body)
 
 
 def reject_unsupported_completion(body: CompletionRequest) -> None:
@@ -73,7 +61,38 @@ def reject_unsupported_completion(body: CompletionRequest) -> None:
         raise unsupported("suffix")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "Only best_of=1 is supported.")
-    _reject_common(body)
+
+
+def logit_bias_pairs(body: BaseCompletionRequest, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(token id, bias)`` pairs (keys are decimal token ids, as OpenAI's).
+
+    400 ``invalid_value`` (``param: logit_bias``) for a key that is not a decimal integer or
+    not below ``vocab_size`` (when known). Bias ranges ([−100, 100]) are the schema's."""
+    out = []
+    for key, bias in (body.logit_bias or {}).items():
+        tid = int(key) if key.isascii() and key.isdecimal() else None
+        if tid is None or (vocab_size is not None and tid >= vocab_size):
+            limit = f" below the vocabulary size {vocab_size}" if vocab_size is not None else ""
+            raise invalid_request(f"Invalid key {key!r} in 'logit_bias': keys must be token ids{limit}.",
+                                  "logit_bias", "invalid_value")
+        out.append((tid, float(bias)))
+    return tuple(out)
+
+
+def check_sampling(body: BaseCompletionRequest, info: BackendInfo) -> None:
+    """400s the schema's ranges cannot express: ``logit_bias`` keys (:func:`logit_bias_pairs`),
+    ``stop_token_ids`` at or above the vocabulary size, and ``min_tokens`` above the
+    requested ``max_tokens`` (vLLM's rule). Call before admission (no record, no tokens)."""
+    logit_bias_pairs(body, info.vocab_size)
+    if info.vocab_size is not None:
+        for i, tid in enumerate(body.stop_token_ids or ()):
+            if tid >= info.vocab_size:
+                raise invalid_request(f"stop_token_ids[{i}] = {tid} is not below the vocabulary size "
+                                      f"{info.vocab_size}.", f"stop_token_ids[{i}]", "invalid_value")
+    requested = requested_max_tokens(body)
+    if body.min_tokens and requested is not None and body.min_tokens > requested:
+        raise invalid_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({requested}).",
+                              "min_tokens", "invalid_value")
 
 
 def response_format(body: BaseCompletionRequest, info: BackendInfo) -> ResponseFormat | None:
@@ -224,10 +243,11 @@ def generation_request(
     cache_scope: str = "tenant",
     fmt: ResponseFormat | None = None,
 ) -> GenerationRequest:
-    """The runtime request: OpenAI defaults (temperature 1, top_p 1), ``top_k`` 0 = off;
-    ``logprobs`` from :func:`requested_logprobs`; ``cache_salt`` from
-    :func:`prefix_cache_salt`; ``fmt`` from :func:`response_format`; the rest from ``ctx``,
-    once admission resolved its tier."""
+    """The runtime request: OpenAI defaults (temperature 1, top_p 1, no penalties), ``top_k``
+    and ``min_p`` 0 = off, ``repetition_penalty`` 1 = off; ``logprobs`` from
+    :func:`requested_logprobs`; ``cache_salt`` from :func:`prefix_cache_salt`; ``fmt`` from
+    :func:`response_format`; the rest from ``ctx``, once admission resolved its tier.
+    ``n`` is not here: each choice is a request of its own (:mod:`gateway.openai.choices`)."""
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -237,6 +257,13 @@ def generation_request(
         seed=body.seed,
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=logit_bias_pairs(body),
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
     )
     return GenerationRequest(
         request_id=ctx.request_id,

@@ -8,7 +8,7 @@
    Only served requests use tokens (:func:`gateway.observability.observe.is_served`, the same rule as
    ``api_keys.tokens_used`` and the usage rollups): refusals cost nothing.
 3. **Rate limits** — rpm/tpm token buckets per key and per tenant
-   (:mod:`gateway.tenancy.ratelimit`); tpm reserves ``prompt + max_tokens`` and refunds the unused
+   (:mod:`gateway.tenancy.ratelimit`); tpm reserves ``prompt + n · max_tokens`` and refunds the unused
    part when the request ends. 429 ``rate_limit_exceeded`` with ``retry-after``. rpm and
    tpm count only requests the engine ran: one refused at step 4 or by the engine's queue
    (503 ``queue_full``), or whose client left while queued, gets its request and tokens back.
@@ -373,7 +373,8 @@ class AdmissionController:
                 raise APIError(429, f"You exceeded your current quota: this key's token budget of {budget} tokens "
                                "is used up. Ask your administrator to raise it.", "insufficient_quota", None,
                                "insufficient_quota")
-            grant = await self.limiter.acquire(self._limits(principal.tenant, policy), ctx.prompt_tokens + ctx.max_tokens)
+            reserve = ctx.prompt_tokens + ctx.max_tokens * ctx.choices  # n choices: the prompt once, n completions
+            grant = await self.limiter.acquire(self._limits(principal.tenant, policy), reserve)
             ticket = Ticket(ctx.request_id, principal.tenant, principal.key_id, tier, grant, headers=grant.headers())
             await self._queue(request, ticket, t0)  # registered in self.active when granted
         except BaseException as exc:

@@ -80,8 +80,10 @@ class AsyncEngine(GatewayTokenization):
             from runtime.models.loader import MODEL_NAME
 
             return BackendInfo(MODEL_NAME, self.config.max_context, 2, supports_response_format=True)
+        cfg = getattr(getattr(self.engine, "model", None), "cfg", None)
         return BackendInfo(self.engine.model_name, self.config.max_context, self.engine.eos_token_id,
-                           supports_response_format=True, chat_template_tools=self.chat_template_tools)
+                           supports_response_format=True, chat_template_tools=self.chat_template_tools,
+                           vocab_size=getattr(cfg, "vocab_size", None))
 
     # -- streaming --------------------------------------------------------------
     def load(self) -> LoadSnapshot:

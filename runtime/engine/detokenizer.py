@@ -26,6 +26,11 @@ Conventions (OpenAI chat-completions, as served by vLLM):
   EOS token produces no text but *is* a completion token (vLLM counts it in
   ``usage.completion_tokens``), so it is included in ``num_tokens_kept`` and
   ``token_ids_kept``; tokens after it are dropped.
+* **Stop token ids** (``params.stop_token_ids``, vLLM's): end the request like EOS (finish
+  ``stop``; the token counts, adds no text; also with ``ignore_eos``).
+* **min_tokens** (vLLM's): stop strings are matched only once more than ``min_tokens``
+  tokens were generated (vLLM's detokenizer rule); the sampler never draws EOS or a stop
+  token id before that (:mod:`runtime.engine.logits_processors`).
 * **Stop strings** (``params.stop``, empty strings ignored): matched on the
   decoded text across token boundaries; the earliest match wins; the stop text
   and everything after it is never returned. The token that completed the match
@@ -76,7 +81,8 @@ class Detokenizer:
             used) or a ``tokenizers.Tokenizer``.
         prompt_token_ids: the prompt (only its length is kept, as ``prompt_tokens``;
             decoding starts at the completion, see the module docstring).
-        params: the request's sampling parameters (``stop``, ``ignore_eos``).
+        params: the request's sampling parameters (``stop``, ``ignore_eos``,
+            ``stop_token_ids``, ``min_tokens``).
         eos_token_id: the id that ends generation (SmolLM2: 2, ``<|im_end|>``).
         max_tokens: completion-token cap (≥ 1), ``None`` for no cap (the engine then
             ends the request itself via :meth:`finish`).
@@ -98,6 +104,8 @@ class Detokenizer:
         self._tok: Tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._stream = DecodeStream(skip_special_tokens=True)
         self._eos = None if params.ignore_eos else int(eos_token_id)
+        self._stop_ids = frozenset(int(t) for t in params.stop_token_ids)
+        self._min_tokens = int(params.min_tokens)
         self._stops = tuple(s for s in params.stop if s)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self.max_tokens = max_tokens
@@ -139,7 +147,7 @@ class Detokenizer:
             tid = int(tid)
             kept.append(tid)
             self.num_tokens += 1
-            if tid == self._eos:
+            if tid == self._eos or tid in self._stop_ids:
                 reason = FinishReason.STOP
                 break
             chunk = self._stream.step(self._tok, tid)
@@ -149,7 +157,7 @@ class Detokenizer:
                 self._pending.clear()
                 start = max(0, len(buf) - self._max_stop + 1)
                 buf += chunk
-                cut = self._find_stop(buf, start)
+                cut = self._find_stop(buf, start) if self.num_tokens > self._min_tokens else None
                 if cut is not None:
                     buf = buf[:cut]
                     reason, cut_by_stop = FinishReason.STOP, True

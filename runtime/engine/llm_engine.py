@@ -18,6 +18,12 @@ Constrained requests (``GenerationRequest.response_format``) carry a grammar mat
 (:mod:`runtime.engine.grammar`): each step their rows' logits are masked (−inf outside the
 grammar) before sampling and verification, the same way in both (drafts verified against
 the masked target), and the matcher advances over the tokens emitted.
+
+Requests with penalties, ``logit_bias`` or ``min_tokens`` carry their logits processors
+(:mod:`runtime.engine.logits_processors`): after the grammar mask, their rows are processed
+the same way in plain decoding and in verification — row k of a verified request as if its
+drafts x_1..x_k had been generated — so verification stays lossless. Steps without such
+requests never touch them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.grammar import GrammarCache, RequestGrammar, mask_logits, new_bitmask
+from runtime.engine.logits_processors import RequestProcessors, apply_processors, check_params
 from runtime.engine.logprobs import token_logprobs
 from runtime.engine.prefix_cache import engine_prefix_cache
 from runtime.engine.sampler import SamplingBatch, request_generator
@@ -152,6 +159,10 @@ class LLMEngine:
         if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
             self.emit(req.request_id, Failed(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {lp}", "invalid_request"))
             return
+        bad = check_params(req.sampling, self.model.cfg.vocab_size)
+        if bad is not None:
+            self.emit(req.request_id, Failed(bad, "invalid_request"))
+            return
         matcher = None
         if req.response_format is not None:
             try:
@@ -170,6 +181,7 @@ class LLMEngine:
             token_ids=list(req.prompt_token_ids),
             num_prompt=n,
             grammar=matcher,
+            processors=RequestProcessors.of(req.sampling, req.prompt_token_ids, self.eos_token_id),
         )
         seq.timings.queued = now
         seq.timings.wall_queued = time.time()
@@ -271,7 +283,7 @@ class LLMEngine:
                 self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
-            tokens = SamplingBatch.of(prefill_done).draw(self._masked(logits, prefill_done, None)).tolist()
+            tokens = SamplingBatch.of(prefill_done).draw(self._processed(logits, prefill_done, None)).tolist()
             lps = self._logprobs(logits, prefill_done, [[t] for t in tokens], [[i] for i in range(len(tokens))])
             for seq, tok, lp in zip(prefill_done, tokens, lps):
                 seq.status = SeqStatus.DECODE
@@ -299,6 +311,16 @@ class LLMEngine:
             row += n
         return mask_logits(logits, bitmask, rows)
 
+    def _processed(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None) -> torch.Tensor:
+        """:meth:`_masked`, then each sequence's logits processors on its rows (row k of a
+        verified sequence as if ``drafts[i][:k]`` had been generated). The logits themselves
+        when no sequence is constrained or processed."""
+        masked = self._masked(logits, seqs, drafts)
+        if all(s.processors is None for s in seqs):
+            return masked
+        return apply_processors(masked, [s.processors for s in seqs], [s.output_ids for s in seqs], drafts,
+                                copy=masked is logits)
+
     def _advance_grammar(self, seq: SequenceState, tokens: list[int]) -> bool:
         """Advance ``seq``'s matcher over its emitted ``tokens``; fail the request (``False``)
         if the grammar refuses one, which would be an engine bug (every token is sampled
@@ -324,9 +346,9 @@ class LLMEngine:
             draft_tokens = torch.tensor([t for ts in proposal.tokens for t in ts], dtype=torch.long)
         drafts = proposal.tokens if proposal is not None else [[] for _ in seqs]
         res = spec_round(
-            self._masked(out.logits[:num_rows], seqs, drafts), draft_probs, draft_tokens, lengths,
+            self._processed(out.logits[:num_rows], seqs, drafts), draft_probs, draft_tokens, lengths,
             [s.num_cached for s in seqs], *sampling.tensors, sampling.generators,
-            seeds=sampling.seeds, positions=sampling.positions,
+            seeds=sampling.seeds, positions=sampling.positions, min_p=sampling.min_p,
         )  # fmt: skip
         for seq, keep in zip(seqs, res.keep_target):
             self.cache.truncate(seq.slot, keep)

@@ -12,6 +12,9 @@ Semantics follow the OpenAI chat-completions parameters as interpreted by vLLM:
 
 * ``temperature == 0`` → greedy: a one-hot row at ``torch.argmax`` (ties → lowest
   index). ``temperature > 0`` → ``softmax(logits / temperature)``.
+* ``min_p`` (``0`` disables; vLLM's, applied after temperature and before top-k/top-p as
+  vLLM v1 does): drop every token whose probability is below ``min_p`` times the most
+  likely token's (Nguyen et al. 2024, "Min-p Sampling", arXiv:2407.01082), renormalise.
 * ``top_k`` (``0`` or ``-1`` disables; ``≥ V`` is a no-op): keep every token whose
   scaled logit is ≥ the k-th largest one (ties at the boundary are all kept, as
   in HF ``TopKLogitsWarper``), renormalise.
@@ -21,7 +24,9 @@ Semantics follow the OpenAI chat-completions parameters as interpreted by vLLM:
   Degeneration", §3.1); always ≥ 1 token. Tokens tied with the last one needed
   are kept too, so the result never depends on sort order. Renormalise.
 
-Everything is computed in fp32 whatever the logits dtype. Reproducibility: each
+The logits processors (penalties, ``logit_bias``, ``min_tokens``) act before all of this, on
+the logits (:mod:`runtime.engine.logits_processors`). Everything is computed in fp32
+whatever the logits dtype. Reproducibility: each
 request owns a ``torch.Generator`` (:func:`request_generator`); a row's result
 depends only on its own logits, parameters and generator, never on the rest of
 the batch.
@@ -218,6 +223,9 @@ class SamplingBatch:
         seeds: per row, the request's ``seed`` (``None``: unseeded); ``None``: no row seeded.
         positions: per row, the output position of the next token (0 = the first
             completion token): where a seeded row's noise is keyed (:func:`gumbel_noise`).
+        min_p: ``[N]`` fp32 (0 = off); ``None``: no row uses min-p. Not in :attr:`tensors`:
+            the drafters sample without it (their p_d is what they sample from, which is all
+            verification needs); :meth:`draw` and verification apply it.
     """
 
     temperature: torch.Tensor
@@ -226,6 +234,7 @@ class SamplingBatch:
     generators: list[torch.Generator]
     seeds: list[int | None] | None = None
     positions: list[int] | None = None
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def of(cls, seqs: Sequence) -> "SamplingBatch":
@@ -233,8 +242,10 @@ class SamplingBatch:
         ``num_generated``), in order. Raises ``ValueError`` as :func:`params_to_tensors`."""
         params = [s.request.sampling for s in seqs]
         seeds = [p.seed for p in params]
+        min_p = [p.min_p for p in params]
         return cls(*params_to_tensors(params), [s.generator for s in seqs],
-                   seeds if any(x is not None for x in seeds) else None, [s.num_generated for s in seqs])
+                   seeds if any(x is not None for x in seeds) else None, [s.num_generated for s in seqs],
+                   torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None)
 
     def select(self, rows: Sequence[int]) -> "SamplingBatch":
         """The sub-batch of ``rows`` (in that order): the same parameters, generators, seeds and positions."""
@@ -242,9 +253,11 @@ class SamplingBatch:
             return self
         idx = torch.tensor(list(rows), dtype=torch.long)
         seeds = [self.seeds[i] for i in rows] if self.seeds is not None else None
+        min_p = self.min_p[idx] if self.min_p is not None else None
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[i] for i in rows],
                              seeds if seeds is not None and any(x is not None for x in seeds) else None,
-                             [self.positions[i] for i in rows] if self.positions is not None else None)
+                             [self.positions[i] for i in rows] if self.positions is not None else None,
+                             min_p if min_p is not None and bool((min_p > 0).any()) else None)
 
     @cached_property
     def seeded_rows(self) -> list[int]:
@@ -263,7 +276,7 @@ class SamplingBatch:
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits`` ``[N, V]``: :meth:`sample_rows` of :func:`warp_probs`."""
-        return self.sample_rows(warp_probs(logits, *self.tensors))
+        return self.sample_rows(warp_probs(logits, *self.tensors, min_p=self.min_p))
 
     def sample_rows(self, probs: torch.Tensor, offset: int = 0, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One column index per row of ``probs`` ``[N, V']``: seeded rows by :func:`gumbel_argmax`
@@ -333,6 +346,7 @@ def warp_probs(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The distribution each row is actually sampled from.
 
@@ -341,6 +355,8 @@ def warp_probs(
         temperature: [N] fp32; 0 → greedy one-hot at ``argmax`` (lowest index on ties).
         top_k: [N] int64; ≤ 0 or ≥ V disables.
         top_p: [N] fp32 in (0, 1]; 1 disables. Applied after top-k.
+        min_p: [N] fp32 in [0, 1] (0 disables), or ``None`` (no row uses it). Applied
+            after temperature, before top-k.
 
     Returns:
         [N, V] fp32 on ``logits.device``; each row sums to 1 (exactly one 1.0 for
@@ -352,8 +368,8 @@ def warp_probs(
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if t.shape != (n,):
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if t is not None and t.shape != (n,):
             raise ValueError(f"{name} must be [{n}], got {tuple(t.shape)}")
     logits = logits.float()
     out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
@@ -366,6 +382,8 @@ def warp_probs(
         out[g_rows, logits[g_rows].argmax(-1)] = 1.0
     sampled = ~greedy
     filt = sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    if min_p is not None:
+        filt = filt | (sampled & (min_p > 0))
 
     plain = sampled & ~filt
     if bool(plain.any()):
@@ -375,6 +393,9 @@ def warp_probs(
     if bool(filt.any()):
         rows = filt.nonzero().squeeze(-1)
         scaled = logits[rows] / temperature[rows].unsqueeze(-1)
+        if min_p is not None:  # p(v) < min_p · max p  ⇔  scaled(v) < max scaled + log(min_p)
+            floor = scaled.max(-1, keepdim=True).values + min_p[rows].log().unsqueeze(-1)
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         probs = torch.softmax(_top_k_mask(scaled, top_k[rows]), dim=-1)
         p = top_p[rows]
         nuc = p < 1.0

@@ -34,6 +34,8 @@ class SequenceState:
             ``time.monotonic()``) after which the request fails with ``timeout``.
         grammar: the request's :class:`runtime.engine.grammar.RequestGrammar` (its
             ``response_format``), ``None`` for free text.
+        processors: its :class:`runtime.engine.logits_processors.RequestProcessors`
+            (penalties, ``logit_bias``, ``min_tokens``), ``None`` when it uses none.
     """
 
     request: GenerationRequest
@@ -52,6 +54,7 @@ class SequenceState:
     timings: RequestTimings = field(default_factory=RequestTimings)
     spec: SpecStats = field(default_factory=SpecStats)
     grammar: object | None = None
+    processors: object | None = None
 
     @property
     def request_id(self) -> str:
@@ -65,6 +68,11 @@ class SequenceState:
     def num_generated(self) -> int:
         """Completion tokens sampled so far (= the output position of the next one)."""
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The completion tokens generated so far."""
+        return self.token_ids[self.num_prompt :]
 
     @property
     def prompt_remaining(self) -> int:

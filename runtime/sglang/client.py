@@ -19,7 +19,9 @@ Request (:func:`build_generate_payload`)
 ``rid`` = request id, ``input_ids`` = prompt tokens, ``stream`` = true, and
 ``sampling_params``: ``temperature``, ``top_p``, ``top_k`` (our 0 → −1 "disabled";
 SGLang rejects 0), ``max_new_tokens`` (``None`` → ``max_context − len(prompt)``, because
-SGLang's default is 128), ``stop``, ``ignore_eos``, ``sampling_seed`` (= ``seed``;
+SGLang's default is 128), ``stop``, ``ignore_eos``, when set ``presence_penalty``,
+``frequency_penalty``, ``repetition_penalty``, ``min_p``, ``min_new_tokens`` (= ``min_tokens``),
+``logit_bias`` and ``stop_token_ids``, ``sampling_seed`` (= ``seed``;
 SGLang honours it only when the server runs with ``--enable-deterministic-inference``,
 ``srt/sampling/sampling_batch_info.py``) and, when the tenant's tier has an SLA target,
 ``custom_params`` = ``{"sparkgate_sla_target_tokens_per_s": target,
@@ -187,6 +189,17 @@ def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> 
     }
     if s.stop:
         sampling["stop"] = list(s.stop)
+    # penalties, logit_bias, min_p, min_tokens, stop_token_ids: SGLang's fields of the same
+    # meaning (SamplingParams line 177), sent only when set
+    for ours, theirs, off in (("presence_penalty", "presence_penalty", 0.0), ("frequency_penalty", "frequency_penalty", 0.0),
+                              ("repetition_penalty", "repetition_penalty", 1.0), ("min_p", "min_p", 0.0),
+                              ("min_tokens", "min_new_tokens", 0)):
+        if getattr(s, ours) != off:
+            sampling[theirs] = getattr(s, ours)
+    if s.logit_bias:
+        sampling["logit_bias"] = {str(t): float(b) for t, b in s.logit_bias}
+    if s.stop_token_ids:
+        sampling["stop_token_ids"] = [int(t) for t in s.stop_token_ids]
     if s.seed is not None:
         sampling["sampling_seed"] = int(s.seed)
     if request.sla_target_tokens_per_s is not None:

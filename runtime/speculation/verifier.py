@@ -30,6 +30,11 @@ Modes, side by side:
   plain decoding (ℓ = 0) emits the same tokens. Acceptance is P(x_k = the target's
   draw), ≥ (1−δ)/(1+δ) when the drafter draws with the same noise, against 1−δ for
   rejection sampling (δ = total variation; Daliri et al. 2024, arXiv:2408.07978).
+* **penalised** (``logit_bias``, ``min_tokens``, repetition/frequency/presence penalties) —
+  not a mode either: the engine passes ``target_logits`` already processed per row, row k
+  of a request as if its drafts x_1..x_k had been generated
+  (:mod:`runtime.engine.logits_processors`), so every mode verifies against the processed
+  target and stays lossless with a drafter that ignores the penalties.
 * **grammar-masked** — not a mode of its own: for a constrained request the engine
   passes ``target_logits`` already masked (−inf outside its grammar; row k of a request
   masked for the draft prefix x_<k+1, :mod:`runtime.engine.grammar`), so every mode above
@@ -342,6 +347,7 @@ def spec_round(
     *,
     seeds: Sequence[int | None] | None = None,
     positions: Sequence[int] | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> RoundResult:
     """Verify one speculative round for a batch (pure: mutates no cache).
 
@@ -385,6 +391,7 @@ def spec_round(
         generators: per-request generators.
         seeds: per-request seed or ``None``; positions: per request, the output
             position of the token its row 0 decides (both needed for seeded requests).
+        min_p: per-request ``[R]`` min-p (``None``: none uses it).
 
     Returns:
         :class:`RoundResult`.
@@ -402,6 +409,7 @@ def spec_round(
             temperature.repeat_interleave(rep.to(temperature.device)),
             top_k.repeat_interleave(rep.to(top_k.device)),
             top_p.repeat_interleave(rep.to(top_p.device)),
+            min_p=None if min_p is None else min_p.repeat_interleave(rep.to(min_p.device)),
         )
         if not seeded:
             res = verify(p_target, draft_probs, draft_tokens, lens, generators)

@@ -155,7 +155,7 @@ def test_auth_and_bad_requests(live_server):
         ({"model": MODEL, "messages": msgs("x"), "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "messages": msgs("x"), "tools": [{"type": "function", "function": {"description": "f"}}]},
          "tools[0].function.name"),
-        ({"model": MODEL, "messages": msgs("x"), "n": 2}, "n"),
+        ({"model": MODEL, "messages": msgs("x"), "n": 9}, "n"),
         ({"model": MODEL, "messages": msgs("word " * 3000)}, "messages"),
         ({"model": MODEL}, "messages"),  # missing messages
         ({"model": MODEL, "messages": msgs("x"), "max_tokens": "ten"}, "max_tokens"),  # wrong type

@@ -212,7 +212,7 @@ def test_deeply_nested_json_400_not_500(server):
     ({"temperature": -0.5}, "temperature"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"n": 3}, "n"),
+    ({"n": 9}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
 ])
@@ -278,7 +278,7 @@ def test_live_server_bad_input(live_server):
     check(httpx.post(url, json=long, headers=hdrs, timeout=60), 400, "messages")
     check(httpx.post(url, content=b"x" * 10_000_000, headers=hdrs, timeout=60), 413)
     check(httpx.post(url, content=b"[]", headers=hdrs, timeout=30), 400)
-    check(httpx.post(url, json={**chat(stream=True), "n": 2}, headers=hdrs, timeout=30), 400, "n")
+    check(httpx.post(url, json={**chat(stream=True), "n": 9}, headers=hdrs, timeout=30), 400, "n")
     check(httpx.post(url, json={**chat(), "temperature": -1}, headers=hdrs, timeout=30), 400, "temperature")
     r = httpx.post(url, json={**chat("Say hi"), "max_tokens": 10**9, "unknown_field": 1, "temperature": 0,
                               "stop": ["a", "b", "c", "d"]}, headers=hdrs, timeout=120)

@@ -63,7 +63,7 @@ BAD = [
     ({"logprobs": 6}, "logprobs", "invalid_value"),  # OpenAI's legacy maximum is 5
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
     ({"best_of": 3}, "best_of", "unsupported_parameter"),
-    ({"n": 3}, "n", "unsupported_parameter"),
+    ({"n": 9}, "n", None),
     ({"max_tokens": 0}, "max_tokens", None),
     ({"prompt": " ".join(["x"] * 64)}, "prompt", "context_length_exceeded"),
 ]

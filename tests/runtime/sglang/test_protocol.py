@@ -54,6 +54,20 @@ def test_payload_defaults_fill_the_context_and_disable_top_k():
         build_generate_payload(_req(prompt=list(range(100))), SGLangConfig(max_context=100))
 
 
+def test_payload_passes_penalties_logit_bias_and_stop_ids_through():
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.05,
+                        min_tokens=3, logit_bias=((17, -100.0), (5, 2.5)), stop_token_ids=(2, 9))
+    body = build_generate_payload(_req(sampling=sp), SGLangConfig(max_context=100))
+    got = {k: v for k, v in body["sampling_params"].items() if k not in ("max_new_tokens", "temperature", "top_p",
+                                                                         "top_k", "ignore_eos")}
+    assert got == {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2, "min_p": 0.05,
+                   "min_new_tokens": 3, "logit_bias": {"17": -100.0, "5": 2.5}, "stop_token_ids": [2, 9]}
+    validate("SamplingParams", body["sampling_params"])
+    # neutral values are not sent at all
+    assert set(build_generate_payload(_req(), SGLangConfig(max_context=100))["sampling_params"]) == {
+        "max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos"}
+
+
 def test_payload_priority_inverted_for_low_values_first():
     cfg = SGLangConfig(send_priority=True, priority_low_values_first=True)
     assert build_generate_payload(_req(priority=3), cfg)["priority"] == -3

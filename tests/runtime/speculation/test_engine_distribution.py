@@ -21,7 +21,8 @@ bit, which the tests check; T = 1, top-p/top-k off):
   SLA weights and table of ``dspark``; which requests DSpark drafts is pinned to "every one that
   prefers it" (the served choice also weighs measured drafting time, which would make the run
   depend on the machine). On the forced gate's plain steps it still verifies n-gram drafts.
-  Observed: 1591 / 603 / 311 rounds with ℓ = 1 / 2 / 3, family p = 0.87; the planted bug caught.
+  Observed: 1591 / 603 / 311 rounds with ℓ = 1 / 2 / 3, family p = 0.87 (the planted bug, run once
+  while adding it, was caught: it is not re-run, see :data:`BUG_METHODS`).
 
 All three: the speculation gate is forced (a counter) to speculate four decode steps, then run
 one plain, …; 64 requests decode per step; every request has max_tokens 16 (15 tokens
@@ -208,6 +209,10 @@ SETTINGS: dict[str, Setting] = {
                       sps=sps_affine(1.0, 0.001)),
 }
 METHODS = list(SETTINGS)
+# The planted residual bug (power) runs where the residual path differs in what feeds it: DSpark
+# rows and one-hot n-gram rows. The hybrid mixes exactly those two rows through the same
+# residual, so its bug run would show the same power again (~15 s of suite time).
+BUG_METHODS = ["dspark", "prompt_lookup"]
 
 
 # -- the engine's run, recorded ------------------------------------------------------
@@ -337,10 +342,11 @@ class Recorder:
         return self.real_schedule(policy, confidences, sps, weights=weights, **kw)
 
     def spec_round(self, target_logits, draft_probs, draft_tokens, lengths, starts, temperature, top_k, top_p,
-                   generators, *, seeds=None, positions=None):
+                   generators, *, seeds=None, positions=None, min_p=None):
         res = self.real_spec_round(target_logits, draft_probs, draft_tokens, lengths, starts, temperature, top_k, top_p,
-                                   generators, seeds=seeds, positions=positions)
+                                   generators, seeds=seeds, positions=positions, min_p=min_p)
         assert bool((temperature == 1).all() & (top_k == 0).all() & (top_p == 1).all())  # p_t = softmax(logits)
+        assert min_p is None or not bool((min_p > 0).any())
         # the tokens the tests read: every verified slot that emitted one, every token of a seeded request
         accepted = res.verify.accepted.tolist()
         path, d_rows, residual, wanted = [], [], [], []
@@ -607,7 +613,7 @@ def gguf_model(target_gguf, gguf_kernel):
 
 @pytest.fixture(scope="module")
 def runs(gguf_model, tokenizer):
-    """name → (prompt ids, correct Run, bugged Run): one engine per setting, built and run
+    """name → (prompt ids, correct Run, bugged Run or None outside :data:`BUG_METHODS`): one engine per setting, built and run
     on first use, the correct run first (the order fixes every random number)."""
     done = {}
 
@@ -626,7 +632,8 @@ def runs(gguf_model, tokenizer):
             if s.sps is not None:
                 engine.speculator.sps_table = s.sps
             warm_up(engine, prompt)
-            done[name] = (prompt, run_engine(engine, s, prompt, False), run_engine(engine, s, prompt, True))
+            done[name] = (prompt, run_engine(engine, s, prompt, False),
+                          run_engine(engine, s, prompt, True) if name in BUG_METHODS else None)
         return done[name]
 
     return get
@@ -659,7 +666,7 @@ def test_engine_output_is_the_target_distribution(gguf_model, runs, name):
     assert v.family_p > 0.01, v.pvalues
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", BUG_METHODS)
 def test_planted_residual_bug_is_caught(gguf_model, runs, name):
     prompt, _, run = runs(name)
     v = judge(gguf_model, prompt, run)

@@ -6,6 +6,7 @@ grammar and plain requests, and a T = 1 chi-square of the tokens verification em
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from scipy import stats
 
 from runtime.config import EngineConfig
 from runtime.engine.grammar import GrammarCache, RequestGrammar, check_schema, mask_logits, new_bitmask
+from runtime.engine import llm_engine
 from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import Failed, Finished, GenerationRequest, GrammarError, ResponseFormat, SamplingParams, TextDelta
 from tests.runtime.speculation.test_engine_distribution import MIN_GROUP, chi2_tokens, continuation_logits
@@ -236,12 +238,19 @@ COLOR_PROMPT = "Pick one colour from this list and answer in quotes.\n" + "\n".j
 N_T1 = 200  # requests per run (the engine's time is ~all of the test's: ~0.02 s of a loaded 2-core CPU per row)
 
 
+T1_GEN_SEED = 7_000  # unseeded requests' generators: seeds 7000, 7001, … in admission order (reproducible)
+
+
 def t1_run(model, tokenizer, spec_method: str):
     fmt = ResponseFormat("json_schema", {"enum": COLORS})
     reqs = [(f"r{i}", COLOR_PROMPT, SamplingParams(temperature=1.0, max_tokens=8), fmt) for i in range(N_T1)]
     cfg = {} if spec_method == "none" else {"spec_method": spec_method, "spec_policy": "fixed",
                                              "num_speculative_tokens": 2, "spec_gate": False}
-    return run_engine(model, tokenizer, reqs, warm_up=COLOR_PROMPT, **cfg)
+    gens = itertools.count(T1_GEN_SEED)
+    with pytest.MonkeyPatch.context() as mp:  # standard (unseeded) verification, fixed random numbers
+        mp.setattr(llm_engine, "request_generator",
+                   lambda params, device="cpu": torch.Generator(device=device).manual_seed(next(gens)))
+        return run_engine(model, tokenizer, reqs, warm_up=COLOR_PROMPT, **cfg)
 
 
 def test_t1_constrained_speculative_tokens_follow_the_masked_target(target_gguf, tokenizer, gguf_kernel, grammars):

@@ -117,21 +117,42 @@ def http(url: str, key: str, method: str = "POST", path: str = "/v1/chat/complet
 
 
 @contextlib.asynccontextmanager
-async def real_app(settings, target_fp32, tokenizer, **cfg):
-    """An ``httpx.AsyncClient`` on the app over the real engine, in-process (fp32 model,
-    ``EngineConfig`` overrides in ``cfg``), lifespan running."""
-    from runtime.engine.async_engine import AsyncEngine
+async def engine_client(settings, model, tokenizer, timeout: float = 120, **cfg):
+    """``(app, httpx.AsyncClient)`` on the app over the real engine, in-process, lifespan
+    running: ``model`` (its dtype in ``cfg``, fp32 by default), ``EngineConfig`` overrides in ``cfg``."""
     from runtime.config import EngineConfig
+    from runtime.engine.async_engine import AsyncEngine
     from runtime.engine.llm_engine import LLMEngine
 
-    engine = AsyncEngine(EngineConfig(dtype="float32", max_batch_size=4, max_context=512, **cfg),
-                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
+    engine = AsyncEngine(EngineConfig(**{"dtype": "float32", "max_batch_size": 4, "max_context": 512, **cfg}),
+                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=model, tokenizer=tokenizer))
     application = create_app(settings, engine)
     async with application.router.lifespan_context(application):
         await application.state.backend_start
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://t",
-                                     timeout=120) as c:
-            yield c
+                                     timeout=timeout) as c:
+            yield application, c
+
+
+@contextlib.asynccontextmanager
+async def real_app(settings, target_fp32, tokenizer, **cfg):
+    """An ``httpx.AsyncClient`` on the app over the real engine, in-process (fp32 model,
+    ``EngineConfig`` overrides in ``cfg``), lifespan running."""
+    async with engine_client(settings, target_fp32, tokenizer, **cfg) as (_, c):
+        yield c
+
+
+@contextlib.asynccontextmanager
+async def served_engine(tmp_path_factory, migrated_template, name: str, model, tokenizer, **cfg):
+    """``(app, client, headers)`` for a module's real-engine tests: its own copy of the migrated
+    database (directory ``name``), :func:`engine_client` with ``cfg`` (600 s client timeout,
+    1-hour request timeout: a loaded 2-core CPU must not time a batch out) and a tenant key."""
+    path = tmp_path_factory.mktemp(name) / "db.sqlite"
+    shutil.copy(migrated_template, path)
+    settings = make_settings(sqlite_url(path))
+    async with engine_client(settings, model, tokenizer, timeout=600, request_timeout_s=3600.0, **cfg) as (app, c):
+        key = await issue_key(settings.database_url, "acme", "alice")
+        yield app, c, {"Authorization": f"Bearer {key}"}
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

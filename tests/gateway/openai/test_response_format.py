@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from typing import Annotated
 
-import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
 from gateway.crud import records as crud_records
-from gateway.crud.keys import issue_key
-from gateway.main import create_app
 from tests.gateway.openai.test_validation import assert_openai_error
-from tests.support.gateway_fixtures import MODEL, chat, make_settings, parse_sse, sqlite_url
+from tests.support.gateway_fixtures import MODEL, chat, parse_sse, served_engine
 from tests.support.json_schemas import SCHEMAS, UNSUPPORTED
 
 URL = "/v1/chat/completions"
@@ -65,21 +61,9 @@ async def test_malformed_response_format_400_names_the_field(client, auth, backe
 @pytest.fixture(scope="module")
 async def engine_app(tmp_path_factory, migrated_template, target_gguf, tokenizer, gguf_kernel):
     """(app, client, headers): the gateway over the served engine (gguf, 64 slots, AR), one per module."""
-    from runtime.config import EngineConfig
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.llm_engine import LLMEngine
-
-    path = tmp_path_factory.mktemp("structured") / "db.sqlite"
-    shutil.copy(migrated_template, path)
-    settings = make_settings(sqlite_url(path))
-    engine = AsyncEngine(EngineConfig(dtype="gguf", max_batch_size=64, max_context=1024, request_timeout_s=3600.0),
-                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_gguf, tokenizer=tokenizer))
-    app = create_app(settings, engine)
-    async with app.router.lifespan_context(app):
-        await app.state.backend_start
-        key = await issue_key(settings.database_url, "acme", "alice")
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=600) as c:
-            yield app, c, {"Authorization": f"Bearer {key}"}
+    async with served_engine(tmp_path_factory, migrated_template, "structured", target_gguf, tokenizer,
+                             dtype="gguf", max_batch_size=64, max_context=1024) as app_client_headers:
+        yield app_client_headers
 
 
 async def reply(c, headers, body: dict) -> tuple[str, str]:

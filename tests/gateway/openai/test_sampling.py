@@ -6,15 +6,11 @@ runtime, their 400s — against the FakeBackend — and, on the real engine in p
 
 from __future__ import annotations
 
-import shutil
 
-import httpx
 import pytest
 
-from gateway.crud.keys import issue_key
-from gateway.main import create_app
 from tests.gateway.openai.test_validation import assert_openai_error
-from tests.support.gateway_fixtures import MODEL, chat, make_settings, parse_sse, sqlite_url
+from tests.support.gateway_fixtures import MODEL, chat, parse_sse, served_engine
 from tests.support.tenancy_fixtures import ADMIN_HEADERS, bearer, new_key, running_app
 
 URL = "/v1/chat/completions"
@@ -203,22 +199,10 @@ async def test_out_of_range_sampling_values_400_name_the_field(client, auth, bac
 async def engine_app(tmp_path_factory, migrated_template, target_fp32, tokenizer):
     """(client, headers) on the gateway over the real engine (fp32, prompt lookup verifying
     every round, so the processors also run per verified position)."""
-    from runtime.config import EngineConfig
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.llm_engine import LLMEngine
-
-    path = tmp_path_factory.mktemp("sampling") / "db.sqlite"
-    shutil.copy(migrated_template, path)
-    settings = make_settings(sqlite_url(path))
-    engine = AsyncEngine(EngineConfig(dtype="float32", max_batch_size=8, max_context=512, request_timeout_s=3600.0,
-                                      spec_method="prompt_lookup", spec_policy="fixed", spec_gate=False),
-                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_fp32, tokenizer=tokenizer))
-    app = create_app(settings, engine)
-    async with app.router.lifespan_context(app):
-        await app.state.backend_start
-        key = await issue_key(settings.database_url, "acme", "alice")
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=600) as c:
-            yield c, {"Authorization": f"Bearer {key}"}
+    async with served_engine(tmp_path_factory, migrated_template, "sampling", target_fp32, tokenizer,
+                             max_batch_size=8, spec_method="prompt_lookup", spec_policy="fixed",
+                             spec_gate=False) as (_, c, headers):
+        yield c, headers
 
 
 async def ask(engine_app, content: str, **extra) -> dict:

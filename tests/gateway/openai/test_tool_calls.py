@@ -7,35 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from typing import Literal
 
-import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
 from gateway.crud import records as crud_records
-from gateway.crud.keys import issue_key
-from gateway.main import create_app
 from tests.gateway.openai.test_validation import assert_openai_error
-from tests.support.gateway_fixtures import MODEL, make_settings, parse_sse, sqlite_url
+from tests.support.gateway_fixtures import MODEL, parse_sse, served_engine
+from tests.support.tools import ADD, SCHEMAS, TOOLS, WEATHER
 
 pytestmark = pytest.mark.model
 
 URL = "/v1/chat/completions"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}}, "required": ["a", "b"]}}}
-TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 def ask(question: str, **extra) -> dict:
@@ -46,21 +31,9 @@ def ask(question: str, **extra) -> dict:
 @pytest.fixture(scope="module")
 async def engine_app(tmp_path_factory, migrated_template, target_gguf, tokenizer, gguf_kernel):
     """(app, client, headers): the gateway over the served engine (gguf, AR), one per module."""
-    from runtime.config import EngineConfig
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.llm_engine import LLMEngine
-
-    path = tmp_path_factory.mktemp("tools") / "db.sqlite"
-    shutil.copy(migrated_template, path)
-    settings = make_settings(sqlite_url(path))
-    engine = AsyncEngine(EngineConfig(dtype="gguf", max_batch_size=16, max_context=1024, request_timeout_s=3600.0),
-                         engine_factory=lambda c, emit: LLMEngine(c, emit, model=target_gguf, tokenizer=tokenizer))
-    app = create_app(settings, engine)
-    async with app.router.lifespan_context(app):
-        await app.state.backend_start
-        key = await issue_key(settings.database_url, "acme", "alice")
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=600) as c:
-            yield app, c, {"Authorization": f"Bearer {key}"}
+    async with served_engine(tmp_path_factory, migrated_template, "tools", target_gguf, tokenizer,
+                             dtype="gguf", max_batch_size=16, max_context=1024) as app_client_headers:
+        yield app_client_headers
 
 
 async def reply(c, headers, body: dict) -> tuple[str | None, list[tuple[str, str]], str]:

@@ -18,19 +18,7 @@ from runtime.engine.grammar import GrammarCache, RequestGrammar
 from runtime.engine.tool_grammar import CALL_CLOSING, call_opening, structural_tag
 from runtime.interface import GrammarError, ResponseFormat, SamplingParams, ToolSchema
 from tests.runtime.engine.test_grammar import EOS, V, run_engine
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}}, "required": ["a", "b"]}}}
-TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+from tests.support.tools import ADD, SCHEMAS, TOOLS, WEATHER
 
 
 def schemas(*tools) -> tuple[ToolSchema, ...]:

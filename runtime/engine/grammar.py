@@ -147,10 +147,13 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
 
 def canonical(fmt: ResponseFormat) -> str:
     """The format's identity: compact JSON with sorted keys, prefixed by type and strictness
-    (for tool calls: the tools' names and parameters in order, the choice and parallelism)."""
+    (for tool calls: the tools' names and parameters in order, the choice and parallelism, and
+    the reply format's identity when there is one)."""
     spec = fmt.schema
     if fmt.type == "tool_calls":
         spec = [[[t.name, t.parameters] for t in fmt.tools], fmt.tool_choice, bool(fmt.parallel_tool_calls)]
+        if fmt.reply is not None:
+            spec.append(canonical(fmt.reply))
     body = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return f"{fmt.type}\x1f{bool(fmt.strict)}\x1f{body}"
 
@@ -161,6 +164,15 @@ def schema_hash(fmt: ResponseFormat) -> str:
 
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
+
+
+def _json_args(fmt: ResponseFormat) -> tuple[str, bool]:
+    """``(schema JSON, strict_mode)`` for xgrammar of a ``json_object`` / ``json_schema``
+    format: ``json_object`` (or no schema) is any JSON object with any properties; a schema is
+    generated strictly (no undeclared properties)."""
+    if fmt.type == "json_object" or fmt.schema is None:
+        return '{"type": "object"}', False
+    return json.dumps(fmt.schema, ensure_ascii=False), True
 
 
 def _xgrammar_message(exc: Exception) -> str:
@@ -242,7 +254,8 @@ class GrammarCache:
                 the tool whose parameters fail it); ``schema_too_large`` over
                 ``max_schema_bytes`` (for tool calls: all tools' parameters together);
                 ``invalid_schema`` for a tool-calls format without tools or with an unknown
-                ``tool_choice``.
+                ``tool_choice``, or with a reply format other than JSON or beside a choice
+                other than ``auto`` (``in_reply``; as are the reply schema's own faults).
         """
         if fmt.type not in ("json_object", "json_schema", "tool_calls"):
             raise GrammarError(f"Unknown response format type {fmt.type!r}.", None, "invalid_schema")
@@ -264,6 +277,16 @@ class GrammarCache:
                     except GrammarError as exc:
                         exc.tool = i
                         raise
+            if fmt.reply is not None:
+                if fmt.tool_choice != "auto" or fmt.reply.type not in ("json_object", "json_schema"):
+                    raise GrammarError(f"A tool-calls format takes a '{fmt.reply.type}' reply format only with "
+                                       "tool_choice 'auto' and a JSON reply.", None, "invalid_schema", in_reply=True)
+                if fmt.reply.type == "json_schema":
+                    try:
+                        check_schema(fmt.reply.schema)
+                    except GrammarError as exc:
+                        exc.in_reply = True
+                        raise
         return schema_hash(fmt)
 
     def _build(self, key: str, fmt: ResponseFormat, limit_s: float | None = None):
@@ -274,11 +297,9 @@ class GrammarCache:
             comp = self.compiler()
             if fmt.type == "tool_calls":
                 out = self._compile_tools(comp, fmt)
-            elif fmt.type == "json_object" or fmt.schema is None:  # any JSON object, any properties
-                out = comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             else:
-                out = comp.compile_json_schema(json.dumps(fmt.schema, ensure_ascii=False), any_whitespace=False,
-                                               strict_mode=True)
+                schema, strict = _json_args(fmt)
+                out = comp.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
         except GrammarError as exc:
             out = exc
         except Exception as exc:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError on bad schemas
@@ -298,8 +319,9 @@ class GrammarCache:
     @staticmethod
     def _compile_tools(comp, fmt: ResponseFormat):
         """The structural tag of :mod:`runtime.engine.tool_grammar`, each tool's arguments
-        under the same JSON grammar as a ``json_schema`` format (compact, strict). A schema
-        xgrammar refuses is a GrammarError naming its tool."""
+        (and the reply format, if any) under the same JSON grammar as a ``json_schema`` format
+        (compact, strict). A schema xgrammar refuses is a GrammarError naming its tool (or
+        ``in_reply``)."""
         import xgrammar as xgr
 
         grammars = []
@@ -310,7 +332,15 @@ class GrammarCache:
             except Exception as exc:  # noqa: BLE001 — as in _build
                 raise GrammarError(f"Invalid JSON schema in the parameters of tool '{tool.name}': "
                                    f"{_xgrammar_message(exc)}", None, "invalid_schema", tool=i) from None
-        return comp.compile_structural_tag(json.dumps(structural_tag(fmt, grammars), ensure_ascii=False))
+        reply = None
+        if fmt.reply is not None:
+            try:
+                schema, strict = _json_args(fmt.reply)
+                reply = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+            except Exception as exc:  # noqa: BLE001 — as in _build
+                raise GrammarError(f"Invalid JSON schema: {_xgrammar_message(exc)}", None, "invalid_schema",
+                                   in_reply=True) from None
+        return comp.compile_structural_tag(json.dumps(structural_tag(fmt, grammars, reply), ensure_ascii=False))
 
     def _timeout_error(self) -> GrammarError:
         return GrammarError(f"The schema took longer than {self.compile_timeout_s:g} s to compile; simplify it "

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from gateway.api.deps import CurrentPrincipal, chat_body, get_ready_backend, openapi_body
 from gateway.openai.respond import record_refusal, respond
-from gateway.core.errors import APIError, invalid_request, unsupported
+from gateway.core.errors import APIError, invalid_request
 from gateway.openai.formatters import ChatFormatter
 from gateway.openai.generation import response_format_param
 from gateway.openai.logprobs import LogprobsBuilder
@@ -36,10 +36,8 @@ async def create_chat_completion(
     model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
     try:  # tools, tool_choice and the conversation's calls: a refusal leaves a rejected record
         plan = tool_plan(body)
-        if plan is not None and structured is not None:
-            raise unsupported("response_format", "A JSON response format cannot be combined with tools yet.")
         names = call_names(body.messages)
-        constraint = tool_format(plan, backend.info) if plan is not None else structured
+        constraint = tool_format(plan, backend.info, structured) if plan is not None else structured
     except APIError as exc:
         record_refusal(request, principal, body, "chat", exc)
         raise

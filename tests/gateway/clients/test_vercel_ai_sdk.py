@@ -44,15 +44,19 @@ def sdk_run(live_server) -> dict:
 
 
 def test_generate_object_with_a_zod_schema(sdk_run):
-    """The zod schema goes out as a strict ``json_schema`` response format; the object the
-    SDK parsed and validated is the model's reply, finish reason stop."""
+    """The zod schema goes out as a strict ``json_schema`` response format in draft-07 (its
+    ``z.tuple`` an array-valued ``items``, which the gateway reads as ``prefixItems``); the
+    object the SDK parsed and validated is the model's reply, finish reason stop."""
     result, sent = sdk_run["object"], sdk_run["requests"][0]["body"]
     fmt = sent["response_format"]
     assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
     schema = fmt["json_schema"]["schema"]
-    assert schema["required"] == ["city", "country"] and schema["properties"]["city"]["maxLength"] == 30
-    jsonschema.validate(result["object"], schema)
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    assert schema["required"] == ["city", "country", "coordinates"] and schema["properties"]["city"]["maxLength"] == 30
+    assert [t["type"] for t in schema["properties"]["coordinates"]["items"]] == ["integer", "integer"]
+    jsonschema.validate(result["object"], schema)  # by draft-07's rules (its $schema)
     assert result["finishReason"] == "stop" and result["object"]["city"].strip()
+    assert len(result["object"]["coordinates"]) == 2
 
 
 def test_stream_text_with_a_tool_round_trip(sdk_run):

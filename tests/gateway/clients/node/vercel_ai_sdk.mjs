@@ -25,7 +25,12 @@ const model = provider.chat(process.env.SPARKGATE_MODEL); // /v1/chat/completion
 
 const object = await generateObject({
   model,
-  schema: z.object({ city: z.string().max(30), country: z.string().max(30) }),
+  // z.tuple is a draft-07 tuple on the wire (an array-valued "items")
+  schema: z.object({
+    city: z.string().max(30),
+    country: z.string().max(30),
+    coordinates: z.tuple([z.number().int().min(-90).max(90), z.number().int().min(-180).max(180)]),
+  }),
   prompt: "Tell me about Paris as JSON.",
   temperature: 0,
   maxOutputTokens: 64,

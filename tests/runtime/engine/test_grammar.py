@@ -22,7 +22,9 @@ from runtime.engine.grammar import (
 )
 from runtime.engine import llm_engine
 from runtime.engine.llm_engine import LLMEngine
-from runtime.interface import Failed, Finished, GenerationRequest, GrammarError, ResponseFormat, SamplingParams, TextDelta
+from runtime.interface import (
+    Failed, Finished, GenerationRequest, GrammarError, ResponseFormat, SamplingParams, TextDelta, ToolSchema,
+)
 from tests.runtime.speculation.test_engine_distribution import MIN_GROUP, chi2_tokens, continuation_logits
 from tests.runtime.speculation.test_spec_engine import chat_ids
 from tests.support.json_schemas import SCHEMAS, UNSUPPORTED
@@ -108,17 +110,21 @@ def test_compile_is_cached_by_schema_hash_and_failures_too(grammars):
 
 def test_a_draft07_tuple_compiles_to_its_exact_instances(grammars, tokenizer):
     """The grammar of a draft-07 tuple (xgrammar itself refuses an array ``items``) accepts a
-    [string, number] pair and refuses the other order, a third item and a lone item."""
-    compiled = grammars.compile(ResponseFormat("json_schema", {"type": "object", "properties": {"p": DRAFT7_PAIR},
-                                                               "required": ["p"]}))
+    [string, number] pair and refuses the other order, a third item and a lone item; as a
+    tool's parameters too."""
+    schema = {"type": "object", "properties": {"p": DRAFT7_PAIR}, "required": ["p"]}
+    as_json = grammars.compile(ResponseFormat("json_schema", schema))
+    as_tool = grammars.compile(ResponseFormat("tool_calls", tools=(ToolSchema("f", schema),), tool_choice="required"))
 
-    def accepts(text: str) -> bool:
+    def accepts(compiled, text: str) -> bool:
         g = RequestGrammar(compiled)
         return g.advance(tokenizer.encode(text, add_special_tokens=False) + [EOS]) and g.terminated
 
-    assert accepts('{"p": ["Paris", 2.35]}')
-    assert not accepts('{"p": [2.35, "Paris"]}') and not accepts('{"p": ["Paris", 2.35, 1]}')
-    assert not accepts('{"p": ["Paris"]}')
+    assert accepts(as_json, '{"p": ["Paris", 2.35]}')
+    assert not accepts(as_json, '{"p": [2.35, "Paris"]}') and not accepts(as_json, '{"p": ["Paris", 2.35, 1]}')
+    assert not accepts(as_json, '{"p": ["Paris"]}')
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>'
+    assert accepts(as_tool, call % '{"p": ["Paris", 2.35]}') and not accepts(as_tool, call % '{"p": [2.35, "Paris"]}')
 
 
 def test_size_limits(tokenizer):

@@ -27,14 +27,15 @@ NODE_DIR = os.path.join(os.path.dirname(__file__), "node")
 
 
 @pytest.fixture(scope="module")
-def sdk_run(live_server) -> dict:
-    """The script's JSON output against the live server."""
+def sdk_run(request) -> dict:
+    """The script's JSON output against the live server (started only once Node is found)."""
     node = shutil.which("node")
     require_or_skip(node is not None and shutil.which("npm") is not None, "Node.js and npm (Debian packages nodejs, npm)")
     require_or_skip(os.path.isdir(os.path.join(NODE_DIR, "node_modules", "ai")),
-                    "the Vercel AI SDK (run `npm ci` in tests/gateway/clients/node)")
-    env = {**os.environ, "SPARKGATE_URL": live_server.base_url + "/v1", "SPARKGATE_KEY": live_server.key,
-           "SPARKGATE_MODEL": MODEL}
+                    "the Vercel AI SDK (`make install`, or `npm ci` in tests/gateway/clients/node)")
+    live_server = request.getfixturevalue("live_server")
+    env = {**os.environ, "OPENAI_BASE_URL": live_server.base_url + "/v1", "OPENAI_API_KEY": live_server.key,
+           "MODEL": MODEL}
     r = subprocess.run([node, "vercel_ai_sdk.mjs"], cwd=NODE_DIR, env=env, capture_output=True, text=True,
                        timeout=4 * DEADLINE_S)
     assert r.returncode == 0, f"node exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

@@ -2,7 +2,7 @@
 // Sparkgate server: `generateObject` with a zod schema, then `streamText` with a tool (a call
 // forced on the first step, a free-text answer on the second). Prints one JSON object on stdout:
 // {object, streamText (its steps and errors), requests}; `requests` are the JSON bodies the SDK sent, in order.
-// Env: SPARKGATE_URL (the server's /v1 base URL), SPARKGATE_KEY (an API key), SPARKGATE_MODEL.
+// Env: OPENAI_BASE_URL (the server's /v1 base URL), OPENAI_API_KEY (a Sparkgate key), MODEL.
 // Run by tests/gateway/clients/test_vercel_ai_sdk.py, which asserts on the output.
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateObject, stepCountIs, streamText, tool } from "ai";
@@ -17,11 +17,11 @@ const recordingFetch = async (url, init) => {
   return fetch(url, init);
 };
 const provider = createOpenAI({
-  baseURL: process.env.SPARKGATE_URL,
-  apiKey: process.env.SPARKGATE_KEY,
+  baseURL: process.env.OPENAI_BASE_URL,
+  apiKey: process.env.OPENAI_API_KEY,
   fetch: recordingFetch,
 });
-const model = provider.chat(process.env.SPARKGATE_MODEL); // /v1/chat/completions (provider(...) is /v1/responses)
+const model = provider.chat(process.env.MODEL); // /v1/chat/completions (provider(...) is /v1/responses)
 
 const object = await generateObject({
   model,

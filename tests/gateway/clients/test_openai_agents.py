@@ -64,6 +64,7 @@ async def test_agent_completes_a_tool_round_trip(live_server, model_class):
     assert report not in json.dumps(first) and report in json.dumps(second)
 
     assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert agents.ItemHelpers.text_message_output(answer) == result.final_output
     assert "<tool_call" not in result.final_output
     # Both replies ended at EOS, not at max_tokens (the gateway's records, whatever the endpoint).
     assert len(wire.responses) == 2

@@ -75,6 +75,7 @@ ASSERTIONS = frozenset({
     "properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
     "maxProperties", "unevaluatedProperties",
     "items", "prefixItems", "minItems", "maxItems", "contains",
+    "additionalItems",  # draft-07 tuples (read as 2020-12 by to_prefix_items)
     "minLength", "maxLength", "pattern", "format",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
 })
@@ -85,7 +86,8 @@ FORMATS = frozenset({
 })
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name → subschema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [subschema]
-_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains")
+_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+               "additionalItems")
 
 
 def _path(parts: Sequence[str]) -> str | None:
@@ -100,7 +102,9 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
     ``if``/``then``/``else``, ``dependentRequired``, ``minContains``, …), a ``format``
     outside :data:`FORMATS`, an ``allOf`` of more than one schema, or a constraint beside a
     ``$ref`` (its siblings are ignored) raises. ``oneOf`` is enforced as ``anyOf``: exclusive
-    when its branches are disjoint (pydantic's discriminated unions), not otherwise.
+    when its branches are disjoint (pydantic's discriminated unions), not otherwise. Draft-07
+    tuples (an array-valued ``items``, ``additionalItems``) are accepted and compiled as
+    2020-12's ``prefixItems``/``items`` (:func:`to_prefix_items`).
 
     Args:
         schema: a JSON Schema (dict or bool) as parsed from JSON.
@@ -131,11 +135,15 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 check_schema(sub, (*at, str(name)))
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
+        elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
             for i, sub in enumerate(value):
                 check_schema(sub, (*at, str(i)))
         elif key in _SCHEMA_ONE:
             check_schema(value, at)
+    if isinstance(schema.get("items"), list) and "prefixItems" in schema:
+        at = (*where, "items")
+        raise GrammarError(f"An array-valued 'items' (draft-07's tuple, at '{_path(at)}') beside 'prefixItems' is "
+                           "ambiguous; use one of them.", _path(at), "invalid_schema")
     if "$ref" in schema:
         extra = sorted(k for k in schema if k not in ANNOTATIONS and k not in ("$ref", "$defs", "definitions"))
         if extra:
@@ -143,6 +151,40 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
             raise GrammarError(f"The keyword '{extra[0]}' beside '$ref' (at '{_path(at)}') is not supported; "
                                "wrap the reference in 'allOf' or move the constraint into the referenced schema.",
                                _path(at), "unsupported_schema_keyword")
+
+
+def to_prefix_items(schema: Any) -> Any:
+    """``schema`` (checked by :func:`check_schema`) with its draft-07 tuples written as 2020-12's.
+
+    Draft-07 (JSON Schema Validation, draft-handrews-json-schema-validation-01, §6.4.1–6.4.2)
+    writes a tuple as an array-valued ``items`` (item i an instance of ``items[i]``) and
+    constrains the items after them with ``additionalItems`` (any when absent; ignored when
+    ``items`` is one schema). 2020-12 (JSON Schema Core, §10.3.1.1–10.3.1.2) writes the same
+    as ``prefixItems`` and ``items``. The Vercel AI SDK sends zod schemas as draft-07
+    (``z.tuple`` → ``{"items": [...], "additionalItems": false}``) and xgrammar 0.2.9 reads
+    only 2020-12 (an array ``items`` fails its compile), so every subschema is rewritten:
+    ``{"items": [A, B], "additionalItems": S}`` → ``{"prefixItems": [A, B], "items": S}``
+    (``items`` left out without ``additionalItems``); a lone ``additionalItems`` is dropped.
+    Returns a new schema (the argument is not changed); booleans as they are.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: to_prefix_items(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [to_prefix_items(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            out[key] = [to_prefix_items(sub) for sub in value] if isinstance(value, list) else to_prefix_items(value)
+        else:
+            out[key] = value
+    extra = out.pop("additionalItems", None)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if extra is not None:
+            out["items"] = extra
+    return out
 
 
 def canonical(fmt: ResponseFormat) -> str:
@@ -172,7 +214,7 @@ def _json_args(fmt: ResponseFormat) -> tuple[str, bool]:
     generated strictly (no undeclared properties)."""
     if fmt.type == "json_object" or fmt.schema is None:
         return '{"type": "object"}', False
-    return json.dumps(fmt.schema, ensure_ascii=False), True
+    return json.dumps(to_prefix_items(fmt.schema), ensure_ascii=False), True
 
 
 def _xgrammar_message(exc: Exception) -> str:
@@ -327,7 +369,7 @@ class GrammarCache:
         grammars = []
         for i, tool in enumerate(fmt.tools):
             try:
-                schema = json.dumps(parameters(tool), ensure_ascii=False)
+                schema = json.dumps(to_prefix_items(parameters(tool)), ensure_ascii=False)
                 grammars.append(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
             except Exception as exc:  # noqa: BLE001 — as in _build
                 raise GrammarError(f"Invalid JSON schema in the parameters of tool '{tool.name}': "

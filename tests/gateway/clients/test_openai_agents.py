@@ -18,6 +18,7 @@ import agents
 import jsonschema
 import pytest
 from openai import AsyncOpenAI
+from pydantic import BaseModel, Field
 
 from tests.gateway.clients.weather import DESCRIPTION, MODEL, QUESTION, record, weather_report
 from tests.support.wire import Wire
@@ -70,3 +71,34 @@ async def test_agent_completes_a_tool_round_trip(live_server, model_class):
     assert len(wire.responses) == 2
     records = [record(live_server, r["id"]) for r in wire.responses]
     assert [(r["status"], r["finish_reason"]) for r in records] == [("finished", "stop")] * 2
+
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=30)
+    sunny: bool
+
+
+@pytest.mark.parametrize("model_class", MODEL_CLASSES)
+async def test_agent_with_tools_and_an_output_type_gets_the_format(live_server, model_class):
+    """An agent with a tool and an ``output_type`` sends the tools and a strict ``json_schema``
+    response format together. With ``tool_choice="none"`` the reply is an instance of the
+    format, which the SDK parses into the pydantic model. (Under ``auto`` the reply is calls or
+    the format — tests/runtime/engine/test_tool_grammar.py; this 135M model, given the tool's
+    result, calls the tool again every turn, so a full loop would only test the model.)"""
+    wire = Wire()
+    async with AsyncOpenAI(base_url=live_server.base_url + "/v1", api_key=live_server.key,
+                           http_client=wire.async_client(), max_retries=0) as client:
+        agent = agents.Agent(
+            name="weather", instructions="You are a helpful assistant.", output_type=Forecast,
+            tools=[agents.function_tool(weather_report, name_override="get_weather", description_override=DESCRIPTION)],
+            model=model_class(model=MODEL, openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="none", temperature=0, max_tokens=64))
+        result = await agents.Runner.run(agent, QUESTION, max_turns=1,
+                                         run_config=agents.RunConfig(tracing_disabled=True))
+    print(result.new_items, wire.requests, sep="\n")
+    (sent,) = wire.requests
+    assert sent["tools"] and sent["tool_choice"] == "none" and sent["response_format"]["type"] == "json_schema"
+    assert isinstance(result.final_output, Forecast) and result.final_output.city.strip()
+    content = wire.responses[0]["choices"][0]["message"]["content"]
+    assert Forecast.model_validate_json(content) == result.final_output  # what the model wrote, parsed

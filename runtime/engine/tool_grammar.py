@@ -15,7 +15,12 @@ tool, its name fixed in the tag's opening text, so a call can only name a known 
   (xgrammar ``triggered_tags``); without parallel tool calls the reply ends after one call.
 
 The structural tag is a plain JSON document (xgrammar's ``StructuralTag`` schema), built
-here without importing xgrammar; :class:`~runtime.engine.grammar.GrammarCache` compiles it.
+here without importing xgrammar; :class:`~runtime.engine.grammar.GrammarCache` compiles it
+with each tool's arguments as an EBNF grammar it compiled itself, and the SGLang backend
+(:mod:`runtime.sglang.client`) sends it as ``sampling_params.structural_tag`` with each tool's
+arguments as a ``json_schema`` content (:func:`json_schema_contents`), which SGLang's xgrammar
+backend compiles (SGLang 0.5.23 ``srt/constrained/xgrammar_backend.py``
+``dispatch_structural_tag``: a non-legacy tag is compiled as given).
 """
 
 from __future__ import annotations
@@ -47,21 +52,29 @@ def parameters(tool: ToolSchema) -> dict:
     return NO_PARAMETERS if tool.parameters is None else tool.parameters
 
 
-def structural_tag(fmt: ResponseFormat, arguments: Sequence[str]) -> dict:
+def json_schema_contents(fmt: ResponseFormat) -> list[dict]:
+    """Per tool of ``fmt.tools``: its arguments as a structural-tag ``json_schema`` content
+    (``{"type": "json_schema", "json_schema": <its parameters>}``), for :func:`structural_tag`."""
+    return [{"type": "json_schema", "json_schema": parameters(t)} for t in fmt.tools]
+
+
+def structural_tag(fmt: ResponseFormat, arguments: Sequence[str | dict]) -> dict:
     """xgrammar's structural tag (as JSON) of a ``"tool_calls"`` format (module docstring).
 
     Args:
         fmt: ``type == "tool_calls"``, ≥ 1 tool, ``tool_choice`` ``"auto"`` or ``"required"``.
-        arguments: per tool of ``fmt.tools``, the EBNF grammar (root rule ``root``) of the
-            JSON instances of its :func:`parameters`.
+        arguments: per tool of ``fmt.tools``, what its arguments are: the EBNF grammar (a
+            string, root rule ``root``) of the JSON instances of its :func:`parameters`, or a
+            structural-tag content format (a dict, :func:`json_schema_contents`).
 
     Raises:
         ValueError: no tools, a grammar count other than the tools', or an unknown ``tool_choice``.
     """
     if not fmt.tools or len(arguments) != len(fmt.tools):
         raise ValueError(f"{len(fmt.tools)} tools and {len(arguments)} argument grammars")
-    tags = [{"type": "tag", "begin": call_opening(t.name), "content": {"type": "grammar", "grammar": ebnf},
-             "end": CALL_CLOSING} for t, ebnf in zip(fmt.tools, arguments)]
+    tags = [{"type": "tag", "begin": call_opening(t.name),
+             "content": {"type": "grammar", "grammar": arg} if isinstance(arg, str) else arg,
+             "end": CALL_CLOSING} for t, arg in zip(fmt.tools, arguments)]
     once = not fmt.parallel_tool_calls
     if fmt.tool_choice == "required":
         body = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,

@@ -28,6 +28,7 @@ from gateway.observability.observe import STATUSES, is_served
 from gateway.observability.stats import user_tokens_per_s
 
 MINUTE = timedelta(minutes=1)
+SPEC_SUMS = ("rounds", "drafted", "accepted", "emitted")  # the rollups' spec_* (and constrained_spec_*) sums
 
 
 def minute_of(ts: datetime) -> datetime:
@@ -76,6 +77,7 @@ def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dic
                 positions[j] += n
         count = {s: sum(r.status == s for r in recs) for s in STATUSES}
         served = [r for r in recs if is_served(r.status, r.completion_tokens)]
+        constrained = [r for r in recs if r.constraint is not None]
         out.append(dict(
             minute=minute, tenant=tenant, user=user, tier=tier, model=model, requests=len(recs), **count,
             prompt_tokens=sum(r.prompt_tokens for r in served),
@@ -87,6 +89,7 @@ def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dic
             spec_rounds=sum(r.spec_rounds or 0 for r in recs), spec_drafted=sum(r.spec_drafted or 0 for r in recs),
             spec_accepted=sum(r.spec_accepted or 0 for r in recs), spec_emitted=sum(r.spec_emitted or 0 for r in recs),
             accepted_per_position=positions or None,
+            **{f"constrained_spec_{k}": sum(getattr(r, f"spec_{k}") or 0 for r in constrained) for k in SPEC_SUMS},
         ))
     return out
 
@@ -233,10 +236,18 @@ def user_series(rows: list[UsageRollup]) -> list[dict]:
     return out
 
 
+def _spec_split(rounds: int, drafted: int, accepted: int, emitted: int) -> dict:
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted, "emitted": emitted,
+            "acceptance_rate": accepted / drafted if drafted else None, "tau": emitted / rounds if rounds else None}
+
+
 def acceptance(rows: list[UsageRollup], group_by: str) -> list[dict]:
     """Speculative acceptance grouped by ``tenant``, ``model`` or ``tier``:
     ``acceptance_rate`` = accepted/drafted, ``tau`` = emitted tokens per round, and
-    ``per_position[j]`` = fraction of rounds whose draft token j+1 was accepted."""
+    ``per_position[j]`` = fraction of rounds whose draft token j+1 was accepted.
+    ``constrained`` and ``plain`` split the sums (``rounds``, ``drafted``, ``accepted``,
+    ``emitted``, ``acceptance_rate``, ``tau``) between requests whose output a grammar
+    constrained (JSON or tools: drafts verified against the masked target) and the others."""
     groups: dict[str, list[UsageRollup]] = defaultdict(list)
     for r in rows:
         groups[getattr(r, group_by)].append(r)
@@ -249,10 +260,13 @@ def acceptance(rows: list[UsageRollup], group_by: str) -> list[dict]:
             for j, n in enumerate(r.accepted_per_position or []):
                 pos += [0] * (j + 1 - len(pos))
                 pos[j] += n
+        grammar = [sum(getattr(r, f"constrained_spec_{k}") or 0 for r in rs) for k in SPEC_SUMS]
         out.append({group_by: name or None, "rounds": rounds, "drafted": drafted, "accepted": accepted,
                     "emitted": emitted, "acceptance_rate": accepted / drafted if drafted else None,
                     "tau": emitted / rounds if rounds else None,
-                    "per_position": [n / rounds for n in pos] if rounds else []})
+                    "per_position": [n / rounds for n in pos] if rounds else [],
+                    "constrained": _spec_split(*grammar),
+                    "plain": _spec_split(*(total - g for total, g in zip((rounds, drafted, accepted, emitted), grammar)))})
     return out
 
 

@@ -1,6 +1,7 @@
 """SQLAlchemy 2 typed ORM models. The schema itself is created by the Alembic
 revisions in ``migrations/versions`` (``0001_initial``, ``0002_tenancy``; ``0003_billed_usage``
-only recomputes rollup token sums), never by ``create_all``.
+only recomputes rollup token sums; ``0005_record_constraint`` adds the records' constraint and
+grammar-mask time and the rollups' constrained speculation sums), never by ``create_all``.
 
 Tenancy (``0002``): every tenant has an optional :class:`SlaTier` (none → the tier
 named by ``Settings.default_tier``); every served request leaves one
@@ -129,6 +130,13 @@ class RequestRecord(Base):
     Times are UTC; durations in seconds; speeds in tokens/s (decode tok/s is
     :func:`runtime.interface.decode_tokens_per_s`). ``sla_met`` is None when the request
     had no target or no measurable decode speed.
+
+    ``constraint``: what the request constrained its output to — ``"json_object"``,
+    ``"json_schema"``, ``"tools"`` or ``None`` (free text;
+    :func:`gateway.openai.translate.constraint_kind`). ``mask_ms_per_token``: the mean
+    milliseconds the engine spent computing and applying the request's grammar masks per
+    generated token (``Finished.grammar_mask_s`` / completion tokens); ``None`` for free text,
+    requests without a token and backends that do not measure it (SGLang).
     """
 
     __tablename__ = "request_records"
@@ -170,6 +178,8 @@ class RequestRecord(Base):
     accepted_per_position: Mapped[list | None] = mapped_column(JSON)
     sla_target_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     sla_met: Mapped[bool | None] = mapped_column(Boolean)
+    constraint: Mapped[str | None] = mapped_column(String(16))
+    mask_ms_per_token: Mapped[float | None] = mapped_column(Float)
 
 
 class UsageRollup(Base):
@@ -181,7 +191,9 @@ class UsageRollup(Base):
     decode tok/s); ``sla_*`` count requests with a target and a measured speed.
     ``requests`` and the per-status counts cover every record; ``prompt_tokens`` and
     ``completion_tokens`` are billed tokens, of served requests only
-    (:func:`gateway.observability.observe.is_served`).
+    (:func:`gateway.observability.observe.is_served`). ``constrained_spec_*`` are the
+    ``spec_*`` sums of the records with a ``constraint`` (JSON or tools: grammar-masked
+    verification); the plain requests' are the difference.
     """
 
     __tablename__ = "usage_rollups"
@@ -215,3 +227,7 @@ class UsageRollup(Base):
     spec_accepted: Mapped[int] = mapped_column(BigInteger, default=0)
     spec_emitted: Mapped[int] = mapped_column(BigInteger, default=0)
     accepted_per_position: Mapped[list | None] = mapped_column(JSON)
+    constrained_spec_rounds: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_drafted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_accepted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_emitted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

@@ -104,6 +104,8 @@ def record_row(o: RequestOutcome) -> dict:
         "accepted_per_position": list(spec.accepted_per_position) if spec else None,
         "sla_target_tokens_per_s": target,
         "sla_met": None if target is None or tps is None or o.status != FINISHED else tps >= target,
+        "constraint": ctx.constraint,
+        "mask_ms_per_token": o.mask_ms_per_token,
     }
 
 

@@ -15,7 +15,9 @@ from gateway.openai.formatters import Formatter, new_id
 from gateway.openai.generation import SSEResponse, collect, response_format_param, sse_events, start_generation
 from gateway.observability.observe import REJECTED, RequestContext, RequestOutcome, notify
 from gateway.openai.schemas import BaseCompletionRequest
-from gateway.openai.translate import check_sampling, completion_budget, generation_request, requested_max_tokens
+from gateway.openai.translate import (
+    check_sampling, completion_budget, constraint_kind, generation_request, requested_max_tokens,
+)
 from runtime.interface import Backend, GrammarError, ResponseFormat
 
 
@@ -29,10 +31,12 @@ async def respond(
     prompt_param: str,
     response_format: ResponseFormat | None = None,
     grammar_param: Callable[[GrammarError], str | None] = response_format_param,
+    constraint: str | None = None,
 ) -> Response:
     """Run the request and build the HTTP response (``response_format``: the chat request's,
     :func:`gateway.openai.translate.response_format` or :func:`gateway.openai.tools.tool_format`;
-    ``grammar_param``: where a refusal of it points, :func:`gateway.openai.generation.grammar_error`).
+    ``grammar_param``: where a refusal of it points, :func:`gateway.openai.generation.grammar_error`;
+    ``constraint``: :func:`gateway.openai.translate.constraint_kind`, for records and metrics).
 
     ``max_tokens`` is clamped to ``max_context − len(prompt_ids)`` (the whole remaining
     context when absent), so an over-long request ends with ``finish_reason: "length"``.
@@ -53,6 +57,7 @@ async def respond(
         user=body.user or principal.user_label,
         key_id=principal.key_id,
         choices=n,
+        constraint=constraint,
     )
     admission = getattr(state, "admission", None)  # gateway.tenancy.admission: limits, queue, SLA (429s)
     ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
@@ -85,8 +90,10 @@ def record_refusal(request: Request, principal: Principal, body: BaseCompletionR
                    exc: APIError) -> None:
     """Leave a ``rejected`` request record (and outcome for every observer) for a request
     refused with ``exc`` before it reached the engine — used for refused tools, which a
-    tenant should be able to find in its records like a refused response format."""
+    tenant should be able to find in its records like a refused response format (its
+    ``constraint`` as the request asked, :func:`gateway.openai.translate.constraint_kind`)."""
     ctx = RequestContext(request_id=new_id("chatcmpl" if endpoint == "chat" else "cmpl"), endpoint=endpoint,
                          model=body.model, stream=bool(body.stream), prompt_tokens=0, max_tokens=0,
-                         tenant=principal.tenant, user=body.user or principal.user_label, key_id=principal.key_id)
+                         tenant=principal.tenant, user=body.user or principal.user_label, key_id=principal.key_id,
+                         constraint=constraint_kind(body))
     notify(request.app.state.observers, RequestOutcome(ctx, REJECTED, error_code=exc.code, error_message=exc.message))

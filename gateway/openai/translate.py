@@ -116,6 +116,24 @@ def response_format(body: BaseCompletionRequest, info: BackendInfo) -> ResponseF
     return ResponseFormat("json_schema", spec.schema_, bool(spec.strict))
 
 
+#: What a request's output can be constrained to (``RequestContext.constraint``, the request
+#: record's ``constraint`` and the ``constraint`` label of the metrics).
+CONSTRAINTS = ("json_object", "json_schema", "tools")
+
+
+def constraint_kind(body: BaseCompletionRequest) -> str | None:
+    """What the chat request asks its output to be, as the request was written (also for one
+    about to be refused): ``"tools"`` when it has tools and ``tool_choice`` is not ``"none"``
+    (:func:`gateway.openai.tools.tool_plan`'s rule), else ``"json_object"`` or
+    ``"json_schema"`` for a JSON ``response_format`` (a ``json_schema`` without ``schema`` stays
+    ``"json_schema"``, though it is served as JSON mode), else ``None`` (free text; legacy
+    completions always)."""
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+        return "tools"
+    rf = getattr(body, "response_format", None)
+    return rf.type if rf is not None and rf.type in CONSTRAINTS else None
+
+
 def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | None:
     """Top alternatives per token the request asks for, ``None`` for no logprobs.
 

@@ -132,6 +132,8 @@ class RecordOut(_Out):
     accepted_per_position: list[int] | None
     sla_target_tokens_per_s: float | None
     sla_met: bool | None
+    constraint: str | None
+    mask_ms_per_token: float | None
 
 
 class RecordPage(BaseModel):

@@ -18,6 +18,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const kTau = kpi("tau", "τ (tokens / round)", "");
   const kZero = kpi("zero-budget", "Rounds with ℓ = 0", "share of request-rounds, last 2 s");
   const kAcc = kpi("acceptance", "Acceptance rate", "accepted / drafted");
+  const kSplit = kpi("acceptance-split", "Acceptance: grammar / plain", "JSON and tool requests / free text");
   const kSla = kpi("sla", "SLA attainment", "requests meeting their tier's tok/s");
 
   const tps = new ChartBox({ name: "tokens-per-s", title: "Decode tokens/s per user", type: "line", x: "time",
@@ -83,6 +84,16 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     kTau.set(rounds ? fmt(emitted / rounds, 2) : "—", rounds ? `${fmtInt(rounds)} rounds in window`
       : specMethod === "none" ? "speculation off (spec method none)" : "no speculative rounds in window");
     kAcc.set(drafted ? pct(accepted / drafted) : "—", drafted ? `${fmtInt(accepted)} of ${fmtInt(drafted)} drafts` : "accepted / drafted");
+    const split = (k: "constrained" | "plain") => {
+      const d = acc.data.reduce((a, x) => a + x[k].drafted, 0);
+      const r = acc.data.reduce((a, x) => a + x[k].rounds, 0);
+      return { rate: d ? acc.data.reduce((a, x) => a + x[k].accepted, 0) / d : null,
+        tau: r ? acc.data.reduce((a, x) => a + x[k].emitted, 0) / r : null, rounds: r };
+    };
+    const g = split("constrained"), p = split("plain");
+    kSplit.set(g.rounds || p.rounds ? `${pct(g.rate)} / ${pct(p.rate)}` : "—",
+      g.rounds || p.rounds ? `τ ${fmt(g.tau, 2)} / ${fmt(p.tau, 2)} · ${fmtInt(g.rounds)} grammar, ${fmtInt(p.rounds)} plain rounds`
+        : "no speculative rounds in window");
 
     const graded = slaRows.data.reduce((a, x) => a + x.graded_requests, 0);
     const met = slaRows.data.reduce((a, x) => a + x.met_requests, 0);
@@ -141,7 +152,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const page = h("div", { class: "page overview" },
     pageHeader("Overview", windowPicker(win, (w) => ctx.go("overview", { window: w })), updated),
     msg.el,
-    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSla.el),
+    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSplit.el, kSla.el),
     h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el, volume.el));
 
   const guard = async (fn: () => Promise<void>) => {

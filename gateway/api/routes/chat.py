@@ -16,7 +16,7 @@ from gateway.openai.logprobs import LogprobsBuilder
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.openai.tools import call_names, grammar_param, prompt_messages, tool_format, tool_plan
 from gateway.openai.translate import (
-    reject_unsupported_chat, requested_logprobs, resolve_model, response_format, template_messages,
+    constraint_kind, reject_unsupported_chat, requested_logprobs, resolve_model, response_format, template_messages,
 )
 from runtime.interface import Backend
 
@@ -50,4 +50,4 @@ async def create_chat_completion(
     logprobs = LogprobsBuilder(backend.token_bytes, num_top) if num_top is not None else None
     fmt = ChatFormatter(model, len(prompt_ids), bool(body.return_spec_stats), logprobs, tool_calls=plan is not None)
     return await respond(request, backend, principal, body, prompt_ids, fmt, "messages", constraint,
-                         grammar_param(plan) if plan is not None else response_format_param)
+                         grammar_param(plan) if plan is not None else response_format_param, constraint_kind(body))

@@ -131,12 +131,13 @@ async def rollup_sums_across_0003(url: str) -> None:
                 for r in got}
 
     billed = {**old_sums, (0, "u"): (10, 13), (1, "v"): (0, 0)}  # rejected/cancelled/failed before a token: 0
-    await migrate.upgrade_async(url)
-    assert await migrate.current_revision_async(url) == "0003_billed_usage" == migrate.head_revision()
+    await migrate.upgrade_async(url, "0003_billed_usage")
+    assert await migrate.current_revision_async(url) == "0003_billed_usage"
     assert await sums() == billed
     await migrate.downgrade_async(url, "0002_tenancy")
     assert await sums() == old_sums
-    await migrate.upgrade_async(url)
+    await migrate.upgrade_async(url)  # through 0003 to the head
+    assert await migrate.current_revision_async(url) == migrate.head_revision()
     assert await sums() == billed
     await sm.kw["bind"].dispose()
 

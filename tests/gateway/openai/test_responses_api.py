@@ -140,10 +140,13 @@ async def test_neutral_values_of_the_parameter_table_are_accepted_and_echoed(app
     async with app.state.sessionmaker() as s:
         record = await crud_records.get_record(s, obj["id"])
     assert (record.endpoint, record.user, record.stream) == ("responses", "end-user-3", False)
-    r = await client.post(URL, json=req(user="u-1", safety_identifier="end-user-3"), headers=auth)
+    r = await client.post(URL, json=req(user="u-1", safety_identifier="end-user-3", return_spec_stats=True),
+                          headers=auth)
+    assert "spec_stats" not in obj and r.json()["spec_stats"]["emitted"] == 7  # the extension, as on chat
     await app.state.records.flush()
     async with app.state.sessionmaker() as s:
-        assert (await crud_records.get_record(s, r.json()["id"])).user == "u-1"
+        record = await crud_records.get_record(s, r.json()["id"])
+    assert (record.user, record.spec_emitted, record.spec_rounds) == ("u-1", 7, r.json()["spec_stats"]["rounds"])
 
 
 async def test_the_conversation_the_template_gets(client, auth, roomy):

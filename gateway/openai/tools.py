@@ -35,6 +35,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from gateway.core.errors import from_validation_error, invalid_request, unsupported
+from gateway.openai.generation import response_format_param
 from gateway.openai.schemas import ChatCompletionRequest, FunctionTool, MessageToolCall, ToolList
 from runtime.interface import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, BackendInfo, GrammarError, ResponseFormat, ToolSchema
 
@@ -125,10 +126,14 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(list(tools), choice, named, parallel)
 
 
-def tool_format(plan: ToolPlan, info: BackendInfo) -> ResponseFormat | None:
+def tool_format(plan: ToolPlan, info: BackendInfo, reply: ResponseFormat | None = None) -> ResponseFormat | None:
     """The runtime format of ``plan``: a ``"tool_calls"`` grammar over the callable tools
     (``auto`` or ``required``, a named choice is ``required`` with its one tool). A backend
     that cannot constrain its output gets ``None`` for ``auto`` (its reply is only parsed).
+
+    ``reply`` is the request's JSON ``response_format`` (OpenAI: with tools, the model either
+    calls them or answers in that format): under ``auto`` a reply that is not a call follows
+    it; ``required`` and named choices call a tool, so it has no effect there.
 
     Raises:
         APIError: 400 ``unsupported_parameter`` (``tool_choice``) for ``required`` or a named
@@ -139,16 +144,20 @@ def tool_format(plan: ToolPlan, info: BackendInfo) -> ResponseFormat | None:
             raise unsupported("tool_choice", "This backend cannot constrain its output to tool calls; use 'auto'.")
         return None
     tools = tuple(ToolSchema(plan.tools[i].function.name, plan.tools[i].function.parameters) for i in plan.callable)
-    return ResponseFormat("tool_calls", tools=tools, tool_choice="auto" if plan.choice == "auto" else "required",
-                          parallel_tool_calls=plan.parallel)
+    auto = plan.choice == "auto"
+    return ResponseFormat("tool_calls", tools=tools, tool_choice="auto" if auto else "required",
+                          parallel_tool_calls=plan.parallel, reply=reply if auto else None)
 
 
 def grammar_param(plan: ToolPlan) -> Callable[[GrammarError], str]:
     """Where a refused tool format points in the request: ``tools[i].function.parameters``
-    (``.<path to the keyword>``) for the tool at fault, ``tools`` for the format as a whole."""
+    (``.<path to the keyword>``) for the tool at fault, ``response_format…`` for its reply
+    format, ``tools`` for the format as a whole."""
     callable_ = plan.callable
 
     def param(exc: GrammarError) -> str:
+        if exc.in_reply:
+            return response_format_param(exc)
         if exc.tool is None:
             return "tools"
         base = f"tools[{callable_[exc.tool]}].function.parameters"

@@ -75,6 +75,7 @@ ASSERTIONS = frozenset({
     "properties", "required", "additionalProperties", "patternProperties", "propertyNames", "minProperties",
     "maxProperties", "unevaluatedProperties",
     "items", "prefixItems", "minItems", "maxItems", "contains",
+    "additionalItems",  # draft-07 tuples (read as 2020-12 by to_prefix_items)
     "minLength", "maxLength", "pattern", "format",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
 })
@@ -85,7 +86,8 @@ FORMATS = frozenset({
 })
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name → subschema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # [subschema]
-_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains")
+_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+               "additionalItems")
 
 
 def _path(parts: Sequence[str]) -> str | None:
@@ -100,7 +102,9 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
     ``if``/``then``/``else``, ``dependentRequired``, ``minContains``, …), a ``format``
     outside :data:`FORMATS`, an ``allOf`` of more than one schema, or a constraint beside a
     ``$ref`` (its siblings are ignored) raises. ``oneOf`` is enforced as ``anyOf``: exclusive
-    when its branches are disjoint (pydantic's discriminated unions), not otherwise.
+    when its branches are disjoint (pydantic's discriminated unions), not otherwise. Draft-07
+    tuples (an array-valued ``items``, ``additionalItems``) are accepted and compiled as
+    2020-12's ``prefixItems``/``items`` (:func:`to_prefix_items`).
 
     Args:
         schema: a JSON Schema (dict or bool) as parsed from JSON.
@@ -131,11 +135,15 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 check_schema(sub, (*at, str(name)))
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
+        elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
             for i, sub in enumerate(value):
                 check_schema(sub, (*at, str(i)))
         elif key in _SCHEMA_ONE:
             check_schema(value, at)
+    if isinstance(schema.get("items"), list) and "prefixItems" in schema:
+        at = (*where, "items")
+        raise GrammarError(f"An array-valued 'items' (draft-07's tuple, at '{_path(at)}') beside 'prefixItems' is "
+                           "ambiguous; use one of them.", _path(at), "invalid_schema")
     if "$ref" in schema:
         extra = sorted(k for k in schema if k not in ANNOTATIONS and k not in ("$ref", "$defs", "definitions"))
         if extra:
@@ -145,12 +153,49 @@ def check_schema(schema: Any, where: tuple[str, ...] = ()) -> None:
                                _path(at), "unsupported_schema_keyword")
 
 
+def to_prefix_items(schema: Any) -> Any:
+    """``schema`` (checked by :func:`check_schema`) with its draft-07 tuples written as 2020-12's.
+
+    Draft-07 (JSON Schema Validation, draft-handrews-json-schema-validation-01, §6.4.1–6.4.2)
+    writes a tuple as an array-valued ``items`` (item i an instance of ``items[i]``) and
+    constrains the items after them with ``additionalItems`` (any when absent; ignored when
+    ``items`` is one schema). 2020-12 (JSON Schema Core, §10.3.1.1–10.3.1.2) writes the same
+    as ``prefixItems`` and ``items``. The Vercel AI SDK sends zod schemas as draft-07
+    (``z.tuple`` → ``{"items": [...], "additionalItems": false}``) and xgrammar 0.2.9 reads
+    only 2020-12 (an array ``items`` fails its compile), so every subschema is rewritten:
+    ``{"items": [A, B], "additionalItems": S}`` → ``{"prefixItems": [A, B], "items": S}``
+    (``items`` left out without ``additionalItems``); a lone ``additionalItems`` is dropped.
+    Returns a new schema (the argument is not changed); booleans as they are.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: to_prefix_items(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [to_prefix_items(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            out[key] = [to_prefix_items(sub) for sub in value] if isinstance(value, list) else to_prefix_items(value)
+        else:
+            out[key] = value
+    extra = out.pop("additionalItems", None)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if extra is not None:
+            out["items"] = extra
+    return out
+
+
 def canonical(fmt: ResponseFormat) -> str:
     """The format's identity: compact JSON with sorted keys, prefixed by type and strictness
-    (for tool calls: the tools' names and parameters in order, the choice and parallelism)."""
+    (for tool calls: the tools' names and parameters in order, the choice and parallelism, and
+    the reply format's identity when there is one)."""
     spec = fmt.schema
     if fmt.type == "tool_calls":
         spec = [[[t.name, t.parameters] for t in fmt.tools], fmt.tool_choice, bool(fmt.parallel_tool_calls)]
+        if fmt.reply is not None:
+            spec.append(canonical(fmt.reply))
     body = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return f"{fmt.type}\x1f{bool(fmt.strict)}\x1f{body}"
 
@@ -161,6 +206,15 @@ def schema_hash(fmt: ResponseFormat) -> str:
 
 
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
+
+
+def _json_args(fmt: ResponseFormat) -> tuple[str, bool]:
+    """``(schema JSON, strict_mode)`` for xgrammar of a ``json_object`` / ``json_schema``
+    format: ``json_object`` (or no schema) is any JSON object with any properties; a schema is
+    generated strictly (no undeclared properties)."""
+    if fmt.type == "json_object" or fmt.schema is None:
+        return '{"type": "object"}', False
+    return json.dumps(to_prefix_items(fmt.schema), ensure_ascii=False), True
 
 
 def _xgrammar_message(exc: Exception) -> str:
@@ -242,7 +296,8 @@ class GrammarCache:
                 the tool whose parameters fail it); ``schema_too_large`` over
                 ``max_schema_bytes`` (for tool calls: all tools' parameters together);
                 ``invalid_schema`` for a tool-calls format without tools or with an unknown
-                ``tool_choice``.
+                ``tool_choice``, or with a reply format other than JSON or beside a choice
+                other than ``auto`` (``in_reply``; as are the reply schema's own faults).
         """
         if fmt.type not in ("json_object", "json_schema", "tool_calls"):
             raise GrammarError(f"Unknown response format type {fmt.type!r}.", None, "invalid_schema")
@@ -264,6 +319,16 @@ class GrammarCache:
                     except GrammarError as exc:
                         exc.tool = i
                         raise
+            if fmt.reply is not None:
+                if fmt.tool_choice != "auto" or fmt.reply.type not in ("json_object", "json_schema"):
+                    raise GrammarError(f"A tool-calls format takes a '{fmt.reply.type}' reply format only with "
+                                       "tool_choice 'auto' and a JSON reply.", None, "invalid_schema", in_reply=True)
+                if fmt.reply.type == "json_schema":
+                    try:
+                        check_schema(fmt.reply.schema)
+                    except GrammarError as exc:
+                        exc.in_reply = True
+                        raise
         return schema_hash(fmt)
 
     def _build(self, key: str, fmt: ResponseFormat, limit_s: float | None = None):
@@ -274,11 +339,9 @@ class GrammarCache:
             comp = self.compiler()
             if fmt.type == "tool_calls":
                 out = self._compile_tools(comp, fmt)
-            elif fmt.type == "json_object" or fmt.schema is None:  # any JSON object, any properties
-                out = comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             else:
-                out = comp.compile_json_schema(json.dumps(fmt.schema, ensure_ascii=False), any_whitespace=False,
-                                               strict_mode=True)
+                schema, strict = _json_args(fmt)
+                out = comp.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
         except GrammarError as exc:
             out = exc
         except Exception as exc:  # noqa: BLE001 — xgrammar raises RuntimeError/ValueError on bad schemas
@@ -298,19 +361,28 @@ class GrammarCache:
     @staticmethod
     def _compile_tools(comp, fmt: ResponseFormat):
         """The structural tag of :mod:`runtime.engine.tool_grammar`, each tool's arguments
-        under the same JSON grammar as a ``json_schema`` format (compact, strict). A schema
-        xgrammar refuses is a GrammarError naming its tool."""
+        (and the reply format, if any) under the same JSON grammar as a ``json_schema`` format
+        (compact, strict). A schema xgrammar refuses is a GrammarError naming its tool (or
+        ``in_reply``)."""
         import xgrammar as xgr
 
         grammars = []
         for i, tool in enumerate(fmt.tools):
             try:
-                schema = json.dumps(parameters(tool), ensure_ascii=False)
+                schema = json.dumps(to_prefix_items(parameters(tool)), ensure_ascii=False)
                 grammars.append(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
             except Exception as exc:  # noqa: BLE001 — as in _build
                 raise GrammarError(f"Invalid JSON schema in the parameters of tool '{tool.name}': "
                                    f"{_xgrammar_message(exc)}", None, "invalid_schema", tool=i) from None
-        return comp.compile_structural_tag(json.dumps(structural_tag(fmt, grammars), ensure_ascii=False))
+        reply = None
+        if fmt.reply is not None:
+            try:
+                schema, strict = _json_args(fmt.reply)
+                reply = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+            except Exception as exc:  # noqa: BLE001 — as in _build
+                raise GrammarError(f"Invalid JSON schema: {_xgrammar_message(exc)}", None, "invalid_schema",
+                                   in_reply=True) from None
+        return comp.compile_structural_tag(json.dumps(structural_tag(fmt, grammars, reply), ensure_ascii=False))
 
     def _timeout_error(self) -> GrammarError:
         return GrammarError(f"The schema took longer than {self.compile_timeout_s:g} s to compile; simplify it "

@@ -13,6 +13,8 @@ tool, its name fixed in the tag's opening text, so a call can only name a known 
 * ``tool_choice="auto"``: free text; once the text contains ``<tool_call>`` (the trigger)
   it must continue as one of the tags, and after its ``</tool_call>`` free text resumes
   (xgrammar ``triggered_tags``); without parallel tool calls the reply ends after one call.
+  With a JSON ``reply`` format (OpenAI's ``tools`` + ``response_format``), ``auto`` is instead
+  either that JSON or calls as for ``required`` (xgrammar ``or``).
 
 The structural tag is a plain JSON document (xgrammar's ``StructuralTag`` schema), built
 here without importing xgrammar; :class:`~runtime.engine.grammar.GrammarCache` compiles it.
@@ -47,13 +49,16 @@ def parameters(tool: ToolSchema) -> dict:
     return NO_PARAMETERS if tool.parameters is None else tool.parameters
 
 
-def structural_tag(fmt: ResponseFormat, arguments: Sequence[str]) -> dict:
+def structural_tag(fmt: ResponseFormat, arguments: Sequence[str], reply: str | None = None) -> dict:
     """xgrammar's structural tag (as JSON) of a ``"tool_calls"`` format (module docstring).
 
     Args:
         fmt: ``type == "tool_calls"``, ≥ 1 tool, ``tool_choice`` ``"auto"`` or ``"required"``.
         arguments: per tool of ``fmt.tools``, the EBNF grammar (root rule ``root``) of the
             JSON instances of its :func:`parameters`.
+        reply: ``auto`` only: the EBNF grammar of the reply when it is not a call (the
+            request's JSON ``response_format``): the reply is then either that JSON or one or
+            more calls, never text around a call. ``None`` → free text with calls.
 
     Raises:
         ValueError: no tools, a grammar count other than the tools', or an unknown ``tool_choice``.
@@ -66,6 +71,10 @@ def structural_tag(fmt: ResponseFormat, arguments: Sequence[str]) -> dict:
     if fmt.tool_choice == "required":
         body = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,
                 "stop_after_first": once}
+    elif fmt.tool_choice == "auto" and reply is not None:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,
+                 "stop_after_first": once}
+        body = {"type": "or", "elements": [{"type": "grammar", "grammar": reply}, calls]}
     elif fmt.tool_choice == "auto":
         body = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags, "stop_after_first": once}
     else:

@@ -23,6 +23,11 @@ pytestmark = pytest.mark.model
 URL = "/v1/chat/completions"
 
 
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "warm": {"type": "boolean"}},
+          "required": ["city", "warm"], "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
 def ask(question: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": question}], "temperature": 0,
             "max_tokens": 64, "tools": TOOLS, **extra}
@@ -71,6 +76,8 @@ async def test_required_named_and_auto_choices(engine_app):
         "single": ask("Weather in Rome and in Oslo?", tool_choice="required", parallel_tool_calls=False),
         "auto": ask("What is the weather in Paris?", stream=True),
         "none": ask("What is the weather in Paris?", tool_choice="none", max_tokens=24),
+        "auto-json": ask("Is it warm in Paris?", response_format=ANSWER_FORMAT),
+        "required-json": ask("What is the weather in Paris?", tool_choice="required", response_format=ANSWER_FORMAT),
     }
     results = dict(zip(bodies, await asyncio.gather(*(reply(c, headers, b) for b in bodies.values()))))
     print(json.dumps(results, indent=1))
@@ -88,6 +95,15 @@ async def test_required_named_and_auto_choices(engine_app):
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     content, calls, finish = results["none"]
     assert calls == [] and content and finish in ("stop", "length")
+    # tools + response_format (OpenAI: a call, or an answer in the format): never free text
+    content, calls, finish = results["auto-json"]
+    if calls:
+        assert finish == "tool_calls" and content is None
+    else:
+        assert finish == "stop", results["auto-json"]
+        jsonschema.validate(json.loads(content), ANSWER)
+    content, calls, finish = results["required-json"]
+    assert finish == "tool_calls" and content is None and calls, results["required-json"]
 
 
 async def test_a_tool_round_trip_ends_in_an_answer(engine_app):
@@ -118,12 +134,15 @@ async def test_refused_parameter_schemas_400_name_the_tool_and_leave_records(eng
     r = await c.post(URL, json=ask("Hi", tools=[typo, ADD]), headers=headers)
     err = assert_openai_error(r, 400, "invalid_request_error", "tools[0].function.parameters", "invalid_schema")
     assert "strin" in err["message"]
-    r = await c.post(URL, json=ask("Hi", response_format={"type": "json_object"}), headers=headers)
-    assert_openai_error(r, 400, "invalid_request_error", "response_format", "unsupported_parameter")
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"t": {"type": "string"}}, "dependentRequired": {}}}}
+    r = await c.post(URL, json=ask("Hi", response_format=bad), headers=headers)  # the reply format's own fault
+    assert_openai_error(r, 400, "invalid_request_error", "response_format.json_schema.schema.dependentRequired",
+                        "unsupported_schema_keyword")
     await app.state.records.flush()
     async with app.state.sessionmaker() as s:
         rows = (await crud_records.query_records(s, limit=100, status="rejected"))[0]
-    assert sorted(row.error_code for row in rows) == ["invalid_schema", "unsupported_parameter",
+    assert sorted(row.error_code for row in rows) == ["invalid_schema", "unsupported_schema_keyword",
                                                       "unsupported_schema_keyword"]
 
 

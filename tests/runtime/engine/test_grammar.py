@@ -17,10 +17,14 @@ import torch
 from scipy import stats
 
 from runtime.config import EngineConfig
-from runtime.engine.grammar import GrammarCache, RequestGrammar, check_schema, mask_logits, new_bitmask
+from runtime.engine.grammar import (
+    GrammarCache, RequestGrammar, check_schema, mask_logits, new_bitmask, to_prefix_items,
+)
 from runtime.engine import llm_engine
 from runtime.engine.llm_engine import LLMEngine
-from runtime.interface import Failed, Finished, GenerationRequest, GrammarError, ResponseFormat, SamplingParams, TextDelta
+from runtime.interface import (
+    Failed, Finished, GenerationRequest, GrammarError, ResponseFormat, SamplingParams, TextDelta, ToolSchema,
+)
 from tests.runtime.speculation.test_engine_distribution import MIN_GROUP, chi2_tokens, continuation_logits
 from tests.runtime.speculation.test_spec_engine import chat_ids
 from tests.support.json_schemas import SCHEMAS, UNSUPPORTED
@@ -49,6 +53,38 @@ def test_every_schema_of_the_test_set_passes_the_check():
     assert e.value.code == "invalid_schema" and e.value.param == "properties.a"
 
 
+INT_SCHEMA = {"type": "integer"}
+#: A draft-07 tuple as the Vercel AI SDK sends ``z.tuple([z.string(), z.number()])`` (zod's draft-07 output).
+DRAFT7_PAIR = {"type": "array", "items": [{"type": "string"}, {"type": "number"}], "additionalItems": False,
+               "minItems": 2, "maxItems": 2}
+
+
+def test_draft07_tuples_are_read_as_prefix_items():
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"pair": DRAFT7_PAIR, "open": {"type": "array", "items": [{"type": "integer"}]},
+                             "rest": {"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "string"}},
+                             "list": {"type": "array", "items": {"type": "integer"}, "additionalItems": False}},
+              "$defs": {"t": {"anyOf": [{"items": [{"const": 1}]}, {"type": "null"}]}}}
+    check_schema(schema)
+    before = json.dumps(schema, sort_keys=True)
+    out = to_prefix_items(schema)
+    assert json.dumps(schema, sort_keys=True) == before  # not changed in place
+    props = out["properties"]
+    assert props["pair"] == {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}], "items": False,
+                             "minItems": 2, "maxItems": 2}
+    assert props["open"] == {"type": "array", "prefixItems": [{"type": "integer"}]}  # extra items: any, as in draft-07
+    assert props["rest"] == {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}
+    assert props["list"] == {"type": "array", "items": {"type": "integer"}}  # additionalItems beside one schema: ignored
+    assert out["$defs"]["t"]["anyOf"][0] == {"prefixItems": [{"const": 1}]}
+    # a keyword inside a tuple member is named by its draft-07 path; both forms at once are refused
+    with pytest.raises(GrammarError) as e:
+        check_schema({"type": "array", "items": [INT_SCHEMA, {"type": "array", "uniqueItems": True}]})
+    assert e.value.code == "unsupported_schema_keyword" and e.value.param == "items.1.uniqueItems"
+    with pytest.raises(GrammarError) as e:
+        check_schema({"type": "array", "items": [INT_SCHEMA], "prefixItems": [INT_SCHEMA]})
+    assert e.value.code == "invalid_schema" and e.value.param == "items"
+
+
 # -- the compile cache (tokenizer only) -----------------------------------------------------
 
 
@@ -70,6 +106,25 @@ def test_compile_is_cached_by_schema_hash_and_failures_too(grammars):
             grammars.compile(bad)
         assert e.value.code == "invalid_schema" and "strin" in e.value.message and "/project" not in e.value.message
     assert grammars.compiles == before + 3
+
+
+def test_a_draft07_tuple_compiles_to_its_exact_instances(grammars, tokenizer):
+    """The grammar of a draft-07 tuple (xgrammar itself refuses an array ``items``) accepts a
+    [string, number] pair and refuses the other order, a third item and a lone item; as a
+    tool's parameters too."""
+    schema = {"type": "object", "properties": {"p": DRAFT7_PAIR}, "required": ["p"]}
+    as_json = grammars.compile(ResponseFormat("json_schema", schema))
+    as_tool = grammars.compile(ResponseFormat("tool_calls", tools=(ToolSchema("f", schema),), tool_choice="required"))
+
+    def accepts(compiled, text: str) -> bool:
+        g = RequestGrammar(compiled)
+        return g.advance(tokenizer.encode(text, add_special_tokens=False) + [EOS]) and g.terminated
+
+    assert accepts(as_json, '{"p": ["Paris", 2.35]}')
+    assert not accepts(as_json, '{"p": [2.35, "Paris"]}') and not accepts(as_json, '{"p": ["Paris", 2.35, 1]}')
+    assert not accepts(as_json, '{"p": ["Paris"]}')
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>'
+    assert accepts(as_tool, call % '{"p": ["Paris", 2.35]}') and not accepts(as_tool, call % '{"p": [2.35, "Paris"]}')
 
 
 def test_size_limits(tokenizer):

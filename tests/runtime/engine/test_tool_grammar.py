@@ -112,6 +112,35 @@ def test_refusals_name_the_tool(grammars):
     assert e.value.code == "invalid_schema" and e.value.tool is None
 
 
+def test_auto_with_a_json_reply_format_is_that_json_or_calls(grammars, tokenizer):
+    """OpenAI's ``tools`` + ``response_format``: under ``auto`` the reply is an instance of the
+    format or calls, never free text; the reply format is part of the cache key; a bad reply
+    schema is refused as the reply's (``in_reply``)."""
+    answer = {"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "integer"}},
+              "required": ["city", "temp_c"], "additionalProperties": False}
+    reply = ResponseFormat("json_schema", schema=answer, strict=True)
+    both = ResponseFormat("tool_calls", tools=schemas(*TOOLS), tool_choice="auto", reply=reply)
+    weather = call_text("get_weather", {"city": "Paris", "unit": "celsius"})
+    assert accepts(grammars, tokenizer, both, json.dumps({"city": "Paris", "temp_c": 21}))
+    assert accepts(grammars, tokenizer, both, weather)
+    assert accepts(grammars, tokenizer, both, weather + call_text("add", {"a": 1, "b": 2}))
+    assert not accepts(grammars, tokenizer, both, "It is sunny.")  # free text: no longer allowed
+    assert not accepts(grammars, tokenizer, both, json.dumps({"city": "Paris"}))  # the reply schema holds
+    assert not accepts(grammars, tokenizer, both, json.dumps({"city": "Paris", "temp_c": 21}) + weather)
+    assert accepts(grammars, tokenizer, tool_format("auto"), "It is sunny.")  # cached apart from plain auto
+    obj = ResponseFormat("tool_calls", tools=schemas(*TOOLS), tool_choice="auto", reply=ResponseFormat("json_object"))
+    assert accepts(grammars, tokenizer, obj, json.dumps({"anything": [1, 2]}))
+    assert not accepts(grammars, tokenizer, obj, "[1]")
+    bad = ResponseFormat("json_schema", schema={"type": "object", "properties": {"t": {"type": "array",
+                                                                                        "uniqueItems": True}}})
+    with pytest.raises(GrammarError) as e:
+        grammars.compile(ResponseFormat("tool_calls", tools=schemas(*TOOLS), tool_choice="auto", reply=bad))
+    assert (e.value.in_reply, e.value.tool, e.value.param) == (True, None, "properties.t.uniqueItems")
+    with pytest.raises(GrammarError) as e:  # a reply format only goes with auto
+        grammars.compile(ResponseFormat("tool_calls", tools=schemas(*TOOLS), tool_choice="required", reply=reply))
+    assert e.value.in_reply and e.value.code == "invalid_schema"
+
+
 # -- the engine: lossless at T = 0 ---------------------------------------------------------------
 
 

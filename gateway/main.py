@@ -21,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from gateway.admin_ui import install as install_admin_ui
 from gateway.tenancy.admission import AdmissionController
 from gateway.api.bodylimit import BodyLimitMiddleware
-from gateway.api.routes import admin, chat, completions, engine, health, models, usage
+from gateway.api.routes import admin, chat, completions, engine, health, models, responses, usage
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
@@ -97,8 +97,8 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.started_at = int(time.time())
 
     install_error_handlers(app)
-    for router in (health.router, models.router, chat.router, completions.router, engine.router, admin.router,
-                   usage.router):
+    for router in (health.router, models.router, chat.router, completions.router, responses.router, engine.router,
+                   admin.router, usage.router):
         app.include_router(router)
     install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
     install_admin_ui(app)  # the admin UI's static files at /admin (admin_ui/dist)

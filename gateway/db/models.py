@@ -1,7 +1,8 @@
 """SQLAlchemy 2 typed ORM models. The schema itself is created by the Alembic
 revisions in ``migrations/versions`` (``0001_initial``, ``0002_tenancy``; ``0003_billed_usage``
-only recomputes rollup token sums; ``0005_record_constraint`` adds the records' constraint and
-grammar-mask time and the rollups' constrained speculation sums), never by ``create_all``.
+only recomputes rollup token sums; ``0004_responses``: stored Responses API responses;
+``0005_record_constraint`` adds the records' constraint and grammar-mask time and the rollups'
+constrained speculation sums), never by ``create_all``.
 
 Tenancy (``0002``): every tenant has an optional :class:`SlaTier` (none → the tier
 named by ``Settings.default_tier``); every served request leaves one
@@ -231,3 +232,33 @@ class UsageRollup(Base):
     constrained_spec_drafted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     constrained_spec_accepted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     constrained_spec_emitted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class StoredResponse(Base):
+    """A Responses API response stored for ``previous_response_id`` and ``GET``/``DELETE
+    /v1/responses/{id}`` (``store``, default true; :mod:`gateway.crud.responses`).
+
+    Attributes:
+        id: the response id (``resp_…``, also its request record's id).
+        tenant: the tenant whose key created it; only that tenant can read, continue or
+            delete it (others get 404).
+        input_items: the whole conversation the model was given, normalised
+            (:func:`gateway.openai.responses_input.conversation_items`: the continued
+            response's conversation and output, then this request's input; instructions
+            are not part of it).
+        output_items: the response's ``output``.
+        body: the rest of the response object, as it was returned.
+    """
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_tenant_created", "tenant", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, server_default=func.now())
+    model: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    input_items: Mapped[list] = mapped_column(JSON)
+    output_items: Mapped[list] = mapped_column(JSON)
+    body: Mapped[dict] = mapped_column(JSON)

@@ -59,8 +59,8 @@ class RequestContext:
     """Who asked for what (fixed when the request is submitted to the backend).
 
     Attributes:
-        request_id: the response id (``chatcmpl-…`` / ``cmpl-…``).
-        endpoint: ``"chat"`` or ``"completions"``.
+        request_id: the response id (``chatcmpl-…`` / ``cmpl-…`` / ``resp_…``).
+        endpoint: ``"chat"``, ``"completions"`` or ``"responses"``.
         tenant, user: tenant name; the OpenAI ``user`` field or the key's user label.
         key_id: DB id of the API key (``None`` for the admin token).
         tier: SLA tier name, when tiers are configured.

@@ -15,7 +15,7 @@ gives (no data migration). Plain ``ALTER TABLE ADD/DROP COLUMN`` on both backend
 ≥ 3.35 drops columns in place).
 
 Revision ID: 0005_record_constraint
-Revises: 0003_billed_usage
+Revises: 0004_responses
 Create Date: 2026-12-12
 """
 
@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0005_record_constraint"
-down_revision = "0003_billed_usage"
+down_revision = "0004_responses"
 branch_labels = None
 depends_on = None
 

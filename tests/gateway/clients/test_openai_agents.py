@@ -25,8 +25,9 @@ from tests.support.wire import Wire
 
 pytestmark = pytest.mark.model
 
-#: The SDK's model classes under test (OpenAIResponsesModel joins once /v1/responses is served).
-MODEL_CLASSES = [pytest.param(agents.OpenAIChatCompletionsModel, id="chat_completions")]
+#: The SDK's model classes under test: /v1/chat/completions and /v1/responses (the SDK's default).
+MODEL_CLASSES = [pytest.param(agents.OpenAIChatCompletionsModel, id="chat_completions"),
+                 pytest.param(agents.OpenAIResponsesModel, id="responses")]
 
 
 @pytest.mark.parametrize("model_class", MODEL_CLASSES)

@@ -149,6 +149,7 @@ async def rollup_sums_across_0003(url: str) -> None:
     await migrate.upgrade_async(url, "0003_billed_usage")
     assert await sums() == billed
     await migrate.upgrade_async(url)  # the later revisions keep the sums
+    assert await migrate.current_revision_async(url) == migrate.head_revision()
     assert await sums() == billed
     await sm.kw["bind"].dispose()
 

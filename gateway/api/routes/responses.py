@@ -76,9 +76,9 @@ async def create_response(
 ) -> Response:
     check_parameters(body)
     response_id = new_id("resp")
-    previous = await previous_conversation(request, principal, body.previous_response_id)
-    items = conversation_items(body, previous)
-    try:  # tools, tool_choice, call outputs: a refusal leaves a rejected record, as on chat
+    try:  # the stored conversation, tools, tool_choice, call outputs: a refusal leaves a rejected record
+        previous = await previous_conversation(request, principal, body.previous_response_id)
+        items = conversation_items(body, previous)
         tools = function_tools(body.tools)
         check_call_outputs(items, len(previous))
         chat = chat_request(body, items, tools)

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+from gateway.crud import records as crud_records
 from gateway.crud import responses as crud_responses
 from gateway.db.models import StoredResponse
 from tests.gateway.openai.test_validation import assert_openai_error
@@ -56,6 +57,11 @@ async def test_responses_are_stored_per_tenant(tenancy_db):
                 assert rid in r.json()["error"]["message"]
         r = await client.post(URL, json=req("Hi", previous_response_id=first["id"]), headers=globex)
         assert_openai_error(r, 404, "invalid_request_error", "previous_response_id", "previous_response_not_found")
+        await app.state.records.flush()  # the refusal left globex a rejected record
+        async with app.state.sessionmaker() as s:
+            rows = (await crud_records.query_records(s, limit=10, status="rejected"))[0]
+        assert [(row.tenant, row.endpoint, row.error_code) for row in rows] == [
+            ("globex", "responses", "previous_response_not_found")]
 
         unstored = (await client.post(URL, json=req("Hi", store=False), headers=acme)).json()
         assert unstored["store"] is False

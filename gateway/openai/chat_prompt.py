@@ -76,7 +76,7 @@ def chat_prompt(request: Request, principal: Principal, body: ChatCompletionRequ
             prompt_ids = (backend.apply_chat_template(messages) if tools is None
                           else backend.apply_chat_template(messages, tools=tools))
         except ValueError as exc:
-            raise invalid_request(f"Invalid messages: {exc}", "messages") from None
+            raise invalid_request(f"Invalid messages: {exc}", "messages", "invalid_value") from None
     except APIError as exc:
         old, exc.param = exc.param, param_of(exc.param)
         if old is not None and exc.param != old:  # the message names the param as the caller spells it

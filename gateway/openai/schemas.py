@@ -165,6 +165,11 @@ class ChatCompletionRequest(BaseCompletionRequest):
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
+    # OpenAI output features this server does not have: accepted only when neutral (translate)
+    modalities: Any = None  # ["text"] only
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true

@@ -39,7 +39,9 @@ def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()
 def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
-    Neutral values are accepted: ``functions: []``, ``function_call: "none"``. (``response_format``:
+    Neutral values are accepted: ``functions: []``, ``function_call: "none"``,
+    ``modalities: ["text"]``; ``audio``, ``prediction`` and ``web_search_options`` (output
+    features this server lacks) only when absent or null. (``response_format``:
     :func:`response_format`; ``tools``: :mod:`gateway.openai.tools`; the sampling fields:
     :func:`check_sampling`.) ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI
     answers it).
@@ -48,6 +50,11 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise unsupported("functions", "The deprecated 'functions' are not supported; use 'tools'.")
     if body.function_call not in (None, "none"):
         raise unsupported("function_call", "The deprecated 'function_call' is not supported; use 'tool_choice'.")
+    if body.modalities not in (None, ["text"]):
+        raise unsupported("modalities", "Only text output is supported: 'modalities' may only be [\"text\"].")
+    for name in ("audio", "prediction", "web_search_options"):  # would change the output: refused, not ignored
+        if getattr(body, name) is not None:
+            raise unsupported(name)
     if body.top_logprobs is not None and body.logprobs is not True:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
 
@@ -155,7 +162,7 @@ def _message_text(msg: ChatMessage, i: int) -> str:
         if msg.role == "assistant" and not msg.function_call:
             return ""
         raise invalid_request(f"messages[{i}].content is required for role '{msg.role}'.",
-                              f"messages[{i}].content")
+                              f"messages[{i}].content", "missing_required_parameter")
     if isinstance(msg.content, str):
         return msg.content
     texts = []

@@ -48,6 +48,10 @@ REFUSE = {ChatCompletionRequest: reject_unsupported_chat, CompletionRequest: rej
 SAMPLES = {
     ("POST /v1/chat/completions", "functions"): ([], [{"name": "f"}]),
     ("POST /v1/chat/completions", "function_call"): ("none", "auto"),
+    ("POST /v1/chat/completions", "modalities"): (["text"], ["text", "audio"]),
+    ("POST /v1/chat/completions", "audio"): (None, {"voice": "alloy", "format": "wav"}),
+    ("POST /v1/chat/completions", "prediction"): (None, {"type": "content", "content": "x"}),
+    ("POST /v1/chat/completions", "web_search_options"): (None, {}),
     ("POST /v1/completions", "best_of"): (1, 2),
     ("POST /v1/completions", "echo"): (False, True),
     ("POST /v1/completions", "suffix"): ("", "x"),

@@ -15,7 +15,9 @@ from gateway.openai.generation import response_format_param
 from gateway.openai.respond import record_refusal
 from gateway.openai.schemas import ChatCompletionRequest
 from gateway.openai.tools import ToolPlan, call_names, grammar_param, prompt_messages, tool_format, tool_plan
-from gateway.openai.translate import requested_logprobs, resolve_model, response_format, template_messages
+from gateway.openai.translate import (
+    requested_logprobs, resolve_model, response_format, template_messages, vllm_format_field,
+)
 from runtime.interface import Backend, GrammarError, ResponseFormat
 
 
@@ -84,5 +86,12 @@ def chat_prompt(request: Request, principal: Principal, body: ChatCompletionRequ
         if refusal:
             record_refusal(request, principal, body, endpoint, exc, request_id)
         raise
-    param = grammar_param(plan) if plan is not None else response_format_param
+    vllm = vllm_format_field(body)
+    if plan is not None:
+        param = grammar_param(plan)
+    elif vllm is not None:  # a vLLM field's schema: its faults point into that field
+        def param(exc, vllm=vllm):
+            return vllm if exc.param is None or vllm.endswith("json_object") else f"{vllm}.{exc.param}"
+    else:
+        param = response_format_param
     return ChatPrompt(model, prompt_ids, plan, constraint, num_top, lambda exc: param_of(param(exc)))

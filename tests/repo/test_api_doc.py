@@ -52,6 +52,10 @@ SAMPLES = {
     ("POST /v1/chat/completions", "audio"): (None, {"voice": "alloy", "format": "wav"}),
     ("POST /v1/chat/completions", "prediction"): (None, {"type": "content", "content": "x"}),
     ("POST /v1/chat/completions", "web_search_options"): (None, {}),
+    ("POST /v1/chat/completions", "structured_outputs"): ({"json": {"type": "object"}}, {"regex": "a+"}),
+    ("POST /v1/chat/completions", "guided_regex"): (None, "a+"),
+    ("POST /v1/chat/completions", "guided_choice"): (None, ["a", "b"]),
+    ("POST /v1/chat/completions", "guided_grammar"): (None, "root ::= \"a\""),
     ("POST /v1/completions", "best_of"): (1, 2),
     ("POST /v1/completions", "echo"): (False, True),
     ("POST /v1/completions", "suffix"): ("", "x"),
@@ -143,9 +147,9 @@ def test_the_check_fails_for_an_undocumented_field_and_for_a_promised_one():
     rows = endpoint_rows("POST /v1/chat/completions")
     grown = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, brand_new_knob=(int | None, None))
     assert problems(grown, rows) == ["ChatCompletionRequest.brand_new_knob has no row"]
-    bad = [*rows, Row(("guided_json",), "supported", 999), Row(("seed",), "ignored", 1000), Row(("x",), "maybe", 1001)]
+    bad = [*rows, Row(("guided_decoding_backend",), "supported", 999), Row(("seed",), "ignored", 1000), Row(("x",), "maybe", 1001)]
     found = problems(ChatCompletionRequest, bad)
-    assert any("`guided_json` is 'supported'" in p for p in found)
+    assert any("`guided_decoding_backend` is 'supported'" in p for p in found)
     assert any(p.startswith("`seed` has two rows") for p in found)
     assert any("status 'maybe'" in p for p in found)
 

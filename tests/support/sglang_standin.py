@@ -602,12 +602,13 @@ class SGLangStandin:
 
 
 class StandinServer:
-    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (ephemeral port) in a
-    daemon thread. ``url`` is valid after :meth:`start`."""
+    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (``port``; 0 = ephemeral) in
+    a daemon thread. ``url`` is valid after :meth:`start`. A stopped server cannot start again:
+    serve the same stand-in on the same port with a new ``StandinServer(standin, port)``."""
 
-    def __init__(self, standin: SGLangStandin | None = None) -> None:
+    def __init__(self, standin: SGLangStandin | None = None, port: int = 0) -> None:
         self.standin = standin or SGLangStandin()
-        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=0, log_level="warning",
+        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -17,16 +17,17 @@ Checked, through HTTP only:
 * a worker killed mid-stream: its stream ends with one OpenAI-shaped SSE error event and
   ``[DONE]``, and a ``failed`` record; new requests then reach the survivor (the router retries
   a refused connection on the other worker, so none fails even inside the health-check
-  interval); the restarted worker gets requests again once its health check passed.
+  interval); the restarted worker gets requests again once its health check passed;
+* no worker left: OpenAI-shaped 500s until the router's circuit breaker opens, then 503s with
+  ``Retry-After``, and the gateway's ``/readyz`` (probing the router's ``/readiness``) turns 503.
 
-Without the router binary these tests skip, and fail under ``CI=true``.
+Without the router package (or with another version) these tests skip, and fail under ``CI=true``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -42,17 +43,19 @@ import uvicorn
 
 from gateway.main import create_app
 from runtime.sglang.client import SLA_MAX_WEIGHT_KEY, SLA_TARGET_KEY
+from tests.conftest import require_or_skip
 from tests.runtime.sglang.test_gateway import (ADMIN, ADMIN_H, PROMPT_IDS, SLA_MAX_WEIGHT, TENANT, TIER,
                                                TIER_PRIORITY, TIER_TARGET_TPS, assert_openai_error, chat, record,
                                                write_tokenizer)
 from tests.support.gateway_fixtures import MODEL, make_settings, parse_sse, sqlite_url
 from tests.support.sglang_standin import SGLangStandin, StandinServer
 
-pytestmark = pytest.mark.scaleout
+pytestmark = [pytest.mark.scaleout, pytest.mark.slow]  # the router takes ~1.3 s to register its workers
 
 ROUTER_VERSION = "0.3.2"  # pyproject.toml [project.optional-dependencies] scaleout
 HEALTH_INTERVAL_S = 1  # --health-check-interval-secs
 FAILURES = 3  # --health-failure-threshold: a dead worker is out after ~FAILURES intervals
+CB_OPEN_S = 1  # --cb-timeout-duration-secs: an open circuit (default 60 s) half-opens after this
 #: router flags besides host, port and workers (all checked against 0.3.2's --help and behaviour)
 ROUTER_FLAGS = [
     "--policy", "round_robin",
@@ -61,17 +64,18 @@ ROUTER_FLAGS = [
     "--health-failure-threshold", str(FAILURES),
     "--health-success-threshold", "1",
     "--worker-startup-check-interval", "1",
+    "--cb-timeout-duration-secs", str(CB_OPEN_S),
     "--log-level", "warn",
 ]
 
 
 def _router_missing() -> str | None:
     if importlib.util.find_spec("sglang_router") is None:
-        return "sglang-router is not installed (pip install -e '.[scaleout]')"
+        return "not installed"
     from importlib.metadata import version
 
     if version("sglang-router") != ROUTER_VERSION:
-        return f"sglang-router {version('sglang-router')} installed, the tests pin {ROUTER_VERSION}"
+        return f"{version('sglang-router')} installed"
     return None
 
 
@@ -112,10 +116,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, migrated_template):
     missing = _router_missing()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{missing}; CI must run the sglang-router tests")
-        pytest.skip(missing)
+    require_or_skip(missing is None, f"sglang-router=={ROUTER_VERSION} ({missing}; pip install -e '.[scaleout]')")
     tmp = tmp_path_factory.mktemp("sglang-router")
     workers = [StandinServer().start(), StandinServer().start()]
     router = f"http://127.0.0.1:{_free_port()}"
@@ -131,7 +132,8 @@ def cluster(tmp_path_factory, migrated_template):
         sqlite_url(db), admin_token=ADMIN, model_name=MODEL, max_context=256,
         backend="sglang", sglang_urls=[router], sglang_tokenizer_path=str(write_tokenizer(tmp / "tokenizer")),
         sglang_send_priority=True, sglang_sla_max_weight=SLA_MAX_WEIGHT, sglang_sla_in_custom_labels=True,
-        sglang_health_interval_s=3600, record_flush_interval_s=0.05,
+        # the router's /health is liveness only (always 200); /readiness is 503 without a healthy worker
+        sglang_health_path="/readiness", sglang_health_interval_s=HEALTH_INTERVAL_S, record_flush_interval_s=0.05,
     )
     app = create_app(settings)
     sock = socket.socket()
@@ -190,6 +192,8 @@ def _received(cluster) -> list[list[str]]:
 
 
 def test_requests_spread_over_both_workers_with_priority_and_sla(cluster):
+    for w in cluster.workers:
+        w.standin.spec_gamma = 7  # the final chunk carries SGLang's spec_* meta_info
     ids = []
     for i in range(4):
         r = cluster.chat(stream=bool(i % 2))
@@ -206,6 +210,15 @@ def test_requests_spread_over_both_workers_with_priority_and_sla(cluster):
         # the router rebuilds the body: custom_params is gone, custom_labels carries the SLA
         assert "custom_params" not in body["sampling_params"]
         assert body["custom_labels"] == {SLA_TARGET_KEY: repr(TIER_TARGET_TPS), SLA_MAX_WEIGHT_KEY: repr(SLA_MAX_WEIGHT)}
+    # the chunks pass through the router unchanged: the records carry the workers' speculative stats
+    client = httpx.Client(base_url=cluster.base, timeout=30)
+    for w in cluster.workers:
+        for body, meta in zip(w.standin.requests, [c["meta_info"] for c in w.standin.chunks_sent
+                                                   if c["meta_info"]["finish_reason"]]):
+            rec = record(client, body["rid"])
+            assert meta["id"] == body["rid"] and rec["status"] == "finished"
+            assert (rec["spec_rounds"], rec["spec_accepted"]) == (meta["spec_verify_ct"], meta["spec_num_correct_drafts"])
+            assert rec["completion_tokens"] == meta["completion_tokens"] == 8
 
 
 def test_client_disconnect_ends_the_request_on_the_worker_holding_it(cluster):
@@ -293,3 +306,50 @@ def test_worker_killed_mid_stream_then_survivor_then_rejoin(cluster, capsys):
     with capsys.disabled():
         print(f"\nsglang-router {ROUTER_VERSION}: 4 requests answered by the survivor within {inside_s:.2f} s of "
               f"the kill; worker out after {out_s:.2f} s; back in {rejoin_s:.2f} s after its restart")
+
+
+def test_no_worker_left_is_a_clean_503_and_readyz_follows(cluster, capsys):
+    """Both workers down. Before the router knows (health check not failed yet) it forwards to a
+    dead worker, retries, and answers HTTP 500 ``call_upstream_request_error`` → the gateway's
+    OpenAI-shaped 500 ``upstream_error``; once its circuit breaker opened (failed attempts,
+    ``--cb-failure-threshold``) or the health check failed: 503 ``no_available_workers`` → the
+    gateway's 503 ``queue_full`` with ``Retry-After``, and when the gateway's own probe of
+    ``/readiness`` failed, 503 ``model_not_ready`` and ``/readyz`` 503. No 500 after the first
+    503. Both back → ``/readyz`` 200, and requests served once the open circuits half-open
+    (503 ``queue_full`` until then)."""
+    ports = [int(w.url.rsplit(":", 1)[1]) for w in cluster.workers]
+    standins = [w.standin for w in cluster.workers]
+    for w in cluster.workers:
+        w.stop()
+    seen: list[tuple[int, str]] = []
+    deadline = time.monotonic() + HEALTH_INTERVAL_S * (FAILURES + 5)
+    while httpx.get(cluster.base + "/readyz", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, "the gateway's /readyz stayed 200 without workers"
+        r = cluster.chat()
+        message = assert_openai_error(r.json(), r.json()["error"]["code"])
+        seen.append((r.status_code, r.json()["error"]["code"]))
+        if r.status_code == 500:
+            assert seen[-1] == (500, "upstream_error") and "error sending request" in message
+        else:
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert seen[-1][1] in ("queue_full", "model_not_ready")
+    statuses = [status for status, _ in seen]
+    if 503 in statuses:
+        assert 500 not in statuses[statuses.index(503):]
+    r = cluster.chat(stream=True)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert_openai_error(r.json(), "model_not_ready")
+    cluster.workers[:] = [StandinServer(st, port=p).start() for st, p in zip(standins, ports)]
+    back_at = time.monotonic()
+    _wait(lambda: httpx.get(cluster.base + "/readyz", timeout=5).status_code == 200, "the gateway ready again",
+          timeout=HEALTH_INTERVAL_S * 8)
+    # the router's circuits (opened above) let requests through again after CB_OPEN_S; until
+    # then its 503 no_available_workers is the gateway's 503 queue_full
+    while (r := cluster.chat()).status_code != 200:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert time.monotonic() - back_at < HEALTH_INTERVAL_S * 8 + CB_OPEN_S, "no request served after the restart"
+        time.sleep(0.1)
+    served_s = time.monotonic() - back_at
+    assert r.json()["choices"][0]["message"]["content"] == "".join(SGLangStandin.script)
+    with capsys.disabled():
+        print(f"\nno worker left: {seen}; served again {served_s:.2f} s after the restart")

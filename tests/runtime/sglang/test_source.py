@@ -44,6 +44,7 @@ SOURCE_FACTS = {
         '@app.get("/health")', '@app.get("/health_generate")', '@app.post("/abort_request")',
         '"/generate",', 'yield b"data: " + dumps_json(out) + b"\\n\\n"', 'yield b"data: [DONE]\\n\\n"',
         'content={"error": contract_error}', '"retryable": False', '@app.get("/server_info")',
+        '@app.get("/model_info")', '"served_model_name": _global_state.tokenizer_manager.served_model_name,',
         "**build_server_info(server_args, _global_state.scheduler_info),",
     ],
     "sglang/srt/entrypoints/v1_loads.py": ['@router.get("/v1/loads")', '"loads": loads'],

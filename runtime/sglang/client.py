@@ -32,7 +32,7 @@ with ``--enable-priority-scheduling``. With ``sla_in_custom_labels`` the same tw
 also go in the top-level ``custom_labels`` (strings, ``repr`` of the floats): sglang-router
 0.3.2 rebuilds ``/generate`` bodies from its own types and drops ``sampling_params.custom_params``
 but keeps ``custom_labels``; the plugin moves them back into ``custom_params`` inside SGLang
-(:mod:`runtime.sglang.plugin.sla_hook`, ``TokenizerManager.generate_request``; docs/deploy-gpu.md).
+(:mod:`runtime.sglang.plugin.sla_hook` patch point 3; docs/deploy-gpu.md "sglang-router").
 
 Constraints (``GenerationRequest.response_format``, :func:`constraint_params`) map to the
 fields SGLang's own OpenAI adapter fills (``srt/entrypoints/openai/serving_chat.py``

@@ -28,7 +28,11 @@ SGLang honours it only when the server runs with ``--enable-deterministic-infere
 "sparkgate_sla_max_weight": cap}`` (read by :mod:`runtime.sglang.plugin.sla_hook`
 inside SGLang). ``priority`` (larger = more important, negated with
 ``priority_low_values_first``) is sent only with ``send_priority`` — the server must run
-with ``--enable-priority-scheduling``.
+with ``--enable-priority-scheduling``. With ``sla_in_custom_labels`` the same two SLA values
+also go in the top-level ``custom_labels`` (strings, ``repr`` of the floats): sglang-router
+0.3.2 rebuilds ``/generate`` bodies from its own types and drops ``sampling_params.custom_params``
+but keeps ``custom_labels``; the plugin moves them back into ``custom_params`` inside SGLang
+(:mod:`runtime.sglang.plugin.sla_hook` patch point 3; docs/deploy-gpu.md "sglang-router").
 
 Constraints (``GenerationRequest.response_format``, :func:`constraint_params`) map to the
 fields SGLang's own OpenAI adapter fills (``srt/entrypoints/openai/serving_chat.py``
@@ -156,6 +160,9 @@ class SGLangConfig:
         priority_low_values_first: servers run ``--schedule-low-priority-values-first``
             (then the priority is negated so larger still means more important).
         sla_max_weight: weight cap sent with the SLA target (``sla_weight``'s ``max_weight``).
+        sla_in_custom_labels: also send the SLA target and cap in ``custom_labels`` (for
+            servers behind sglang-router, which drops ``sampling_params.custom_params``; the
+            servers must run the SLA plugin, which takes the labels out again).
         incremental_streaming_output: the servers' ``--incremental-streaming-output``;
             ``None`` → detect per stream.
         connect_timeout_s: httpx connect timeout (seconds).
@@ -179,6 +186,7 @@ class SGLangConfig:
     send_priority: bool = False
     priority_low_values_first: bool = False
     sla_max_weight: float = DEFAULT_MAX_WEIGHT
+    sla_in_custom_labels: bool = False
     incremental_streaming_output: bool | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
@@ -265,6 +273,8 @@ def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> 
         "sampling_params": sampling,
         "stream": True,
     }
+    if config.sla_in_custom_labels and "custom_params" in sampling:
+        payload["custom_labels"] = {k: repr(v) for k, v in sampling["custom_params"].items()}
     if config.send_priority:
         payload["priority"] = -int(request.priority) if config.priority_low_values_first else int(request.priority)
     return payload

@@ -361,11 +361,15 @@ def test_dashboard_is_provisionable_and_queries_only_exported_metrics():
 def test_compose_mounts_match_provisioning_and_scrape_target():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
-    assert {"gateway", "postgres", "prometheus", "grafana", "sglang"} <= set(services)
-    assert services["sglang"]["profiles"] == ["gpu"] and services["sglang"]["image"].startswith("lmsysorg/sglang")
-    assert services["sglang"]["command"][:3] == ["python3", "-m", "runtime.sglang.launch"]
+    assert {"gateway", "postgres", "prometheus", "grafana", "sglang-router", "sglang-0", "sglang-1"} <= set(services)
+    for worker in ("sglang-0", "sglang-1"):
+        assert services[worker]["profiles"] == ["gpu"] and services[worker]["image"].startswith("lmsysorg/sglang")
+        assert services[worker]["command"][:3] == ["python3", "-m", "runtime.sglang.launch"]
+    assert services["sglang-router"]["profiles"] == ["gpu"]
+    assert services["sglang-router"]["image"] == services["gateway"]["image"]  # built with the scaleout extra
+    assert services["sglang-router"]["command"][:3] == ["python", "-m", "sglang_router.launch_router"]
     gateway_env = services["gateway"]["environment"]
-    assert gateway_env["SPARKGATE_SGLANG_URLS"] == "http://sglang:30000"
+    assert gateway_env["SPARKGATE_SGLANG_URLS"] == "http://sglang-router:30000"
     assert any(v.endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])
     grafana = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
     assert (ROOT / grafana["/etc/grafana/provisioning"]).resolve() == PROVISIONING
@@ -390,23 +394,39 @@ def compose_interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", sub, str(value))
 
 
-def test_compose_gateway_env_matches_the_sglang_service(monkeypatch):
+def test_compose_gateway_env_matches_the_sglang_services(monkeypatch):
     """Under ``SPARKGATE_BACKEND=sglang docker compose --profile gpu up``, the gateway's env,
-    read by the real ``Settings``, gives an ``SGLangConfig`` that fits the sglang service's
-    launch command: its URL and port, the served model's tokenizer (same ./models mount),
-    priorities sent iff the server schedules by them (``--priority`` →
-    ``--enable-priority-scheduling``, SGLang 0.5.23 ``srt/arg_groups/fields/schedule.py``),
-    in the order it expects, and no longer a context than the server's."""
+    read by the real ``Settings``, gives an ``SGLangConfig`` that fits the router and the two
+    workers: the gateway's one upstream is the router (probed at ``/readiness``: its ``/health``
+    is liveness only), the router's command, parsed by the pinned sglang-router's own
+    argument parser, lists both workers at their launch port; each worker serves the model
+    whose tokenizer the gateway reads (same ./models mount), on its own GPU; priorities are
+    sent iff the workers schedule by them (``--priority`` → ``--enable-priority-scheduling``,
+    SGLang 0.5.23 ``srt/arg_groups/fields/schedule.py``), in the order they expect; the SLA
+    target also travels in ``custom_labels`` (the router drops ``custom_params``); and no
+    longer a context than the workers'."""
+    from sglang_router.launch_router import parse_router_args
+
     from gateway.core.config import Settings
     from runtime.sglang.launch import build_launch_command, build_parser
 
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    gateway, sglang = services["gateway"], services["sglang"]
-    args, passthrough = build_parser().parse_known_args(sglang["command"][3:])
-    args.passthrough = passthrough
-    launch = build_launch_command(args)
-    server_flags = {flag.split("=", 1)[0]: flag.split("=", 1)[1] if "=" in flag else None
-                    for flag in passthrough}
+    gateway, router = services["gateway"], services["sglang-router"]
+    workers = {name: services[name] for name in ("sglang-0", "sglang-1")}
+    launches = []
+    for name, worker in workers.items():
+        args, passthrough = build_parser().parse_known_args(worker["command"][3:])
+        args.passthrough = passthrough
+        launches.append((name, args, build_launch_command(args),
+                         {flag.split("=", 1)[0]: flag.split("=", 1)[1] if "=" in flag else None
+                          for flag in passthrough}))
+    assert workers["sglang-0"]["command"] == workers["sglang-1"]["command"]
+    gpus = [w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for w in workers.values()]
+    assert gpus == [["0"], ["1"]]  # one GPU each, not both on the first
+    rargs = parse_router_args(router["command"][3:])
+    assert rargs.worker_urls == [f"http://{name}:{args.port}" for name, args, _, _ in launches]
+    assert (rargs.policy, rargs.health_check_endpoint) == ("round_robin", "/health")
+    assert not rargs.pd_disaggregation and not rargs.mini_lb
 
     for name in [k for k in os.environ if k.startswith("SPARKGATE_")]:
         monkeypatch.delenv(name)  # only the compose file's values count
@@ -416,28 +436,33 @@ def test_compose_gateway_env_matches_the_sglang_service(monkeypatch):
     assert settings.backend == "sglang"
     cfg = settings.backend_config()
 
-    assert cfg.urls == (f"http://sglang:{args.port}",)
-    assert args.model_path == cfg.tokenizer_path == "/models/target"
-    assert "./models:/models:ro" in gateway["volumes"] and "./models:/models:ro" in sglang["volumes"]
-    assert "--enable-priority-scheduling" in launch  # the service runs --priority ...
+    assert cfg.urls == (f"http://sglang-router:{rargs.port}",) and cfg.health_path == "/readiness"
+    assert cfg.sla_in_custom_labels is True
+    for _, args, launch, server_flags in launches:
+        assert args.model_path == cfg.tokenizer_path == "/models/target"
+        assert "--enable-priority-scheduling" in launch  # the workers run --priority ...
+        assert "--schedule-low-priority-values-first" not in launch
+        assert cfg.max_context <= int(server_flags["--context-length"])
+    assert "./models:/models:ro" in gateway["volumes"]
+    assert all("./models:/models:ro" in w["volumes"] for w in workers.values())
     assert cfg.send_priority is True  # ... so the gateway sends the tiers' priorities
     # both keep SGLang's default order (larger priority first), matching the tiers' meaning
-    assert "--schedule-low-priority-values-first" not in launch and cfg.priority_low_values_first is False
-    assert cfg.max_context <= int(server_flags["--context-length"])
+    assert cfg.priority_low_values_first is False
     # without SPARKGATE_BACKEND the same file still runs the embedded engine
     monkeypatch.setenv("SPARKGATE_BACKEND", compose_interpolate(gateway["environment"]["SPARKGATE_BACKEND"], {}))
     assert Settings(_env_file=None).backend == "embedded"
 
 
 def test_deploy_gpu_doc_quotes_the_compose_file():
-    """docs/deploy-gpu.md's YAML excerpt is the compose file's: the whole sglang service and
-    the gateway's SGLang settings and model mount, value for value."""
+    """docs/deploy-gpu.md's YAML excerpt is the compose file's: the router and both workers
+    whole, and the gateway's SGLang settings and model mount, value for value."""
     blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "deploy-gpu.md").read_text(), re.S)
     assert len(blocks) == 1
     excerpt = yaml.safe_load(blocks[0])["services"]
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    assert set(excerpt) == {"gateway", "sglang"}
-    assert excerpt["sglang"] == services["sglang"]
+    assert set(excerpt) == {"gateway", "sglang-router", "sglang-0", "sglang-1"}
+    for name in ("sglang-router", "sglang-0", "sglang-1"):
+        assert excerpt[name] == services[name], name
     assert set(excerpt["gateway"]) == {"environment", "volumes"}
     env = services["gateway"]["environment"]
     assert {k: env.get(k) for k in excerpt["gateway"]["environment"]} == excerpt["gateway"]["environment"]

@@ -26,6 +26,8 @@ source (file paths below are inside the ``sglang-0.5.23`` wheel):
 * ``POST /abort_request`` ``{"rid"}`` → 200; the request ends with an ``abort`` finish.
 * ``GET /health``, ``GET /health_generate`` → 200, or 503 when marked unhealthy.
 * ``GET /server_info`` → a few resolved server args (``speculative_algorithm``, …).
+* ``GET /model_info`` → ``model_path``, ``served_model_name``, ``tokenizer_path``, … (read by
+  sglang-router when it registers a worker, ``tests/scaleout/``).
 * ``GET /v1/loads`` (``srt/entrypoints/v1_loads.py``; there is no ``/get_load`` in
   0.5.23) → ``{"timestamp", "version", "accelerator", "num_accelerators", "loads": [...]}``.
 
@@ -415,6 +417,13 @@ class SGLangStandin:
             "max_running_requests": self.max_running, "version": "0.5.23", "frontend": "python",
         })
 
+    async def model_info(self, request: Request) -> Response:
+        """A few of ``GET /model_info``'s fields (``http_server.py`` ``model_info``); sglang-router
+        reads the model path from it when it registers a worker."""
+        return JSONResponse({"model_path": "standin/model", "served_model_name": "standin/model",
+                             "tokenizer_path": "standin/model", "is_generation": True,
+                             "weight_version": "default"})
+
     async def abort_request(self, request: Request) -> Response:
         body = await request.json()
         try:
@@ -598,16 +607,18 @@ class SGLangStandin:
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/v1/loads", self.loads, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
         ])
 
 
 class StandinServer:
-    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (ephemeral port) in a
-    daemon thread. ``url`` is valid after :meth:`start`."""
+    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (``port``; 0 = ephemeral) in
+    a daemon thread. ``url`` is valid after :meth:`start`. A stopped server cannot start again:
+    serve the same stand-in on the same port with a new ``StandinServer(standin, port)``."""
 
-    def __init__(self, standin: SGLangStandin | None = None) -> None:
+    def __init__(self, standin: SGLangStandin | None = None, port: int = 0) -> None:
         self.standin = standin or SGLangStandin()
-        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=0, log_level="warning",
+        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -68,8 +68,9 @@ class Settings(_Derived):
             tenant/tier/key-limit cache uses the same TTL. While the database is down,
             known keys keep working on their last cached values.
         default_tier: the SLA tier of tenants without one (a missing tier = unlimited).
-        redis_url: optional ``redis://host:port/db`` sharing the rate-limit buckets between
-            replicas; unset → per-replica buckets.
+        redis_url: optional ``redis://host:port/db`` sharing the rate-limit buckets, the
+            ``max_concurrent`` leases and the live admin state between replicas; unset →
+            per-replica state.
         record_buffer_max: request records buffered in memory while the database is slow
             or down; beyond it records are dropped and counted (``RecordWriter.dropped``).
         record_batch_size: request records per insert.

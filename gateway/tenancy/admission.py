@@ -317,12 +317,14 @@ class AdmissionController:
         self.leases = leases
         self.lease_refresh_s = lease_refresh_s
         self.lease_errors = 0  # Redis failures of the lease store (per-replica count used instead)
+        self.lease_waiting: Counter = Counter()  # tenant → requests waiting for a Redis lease
         self._last_refresh = 0.0
 
     @classmethod
     def from_settings(cls, backend: Backend, sessionmaker, settings) -> AdmissionController:
-        store = RedisBucketStore(settings.redis_url) if settings.redis_url else None
-        leases = LeaseStore(store.client) if store is not None else None
+        prefix = settings.redis_prefix
+        store = RedisBucketStore(settings.redis_url, prefix + "rl:") if settings.redis_url else None
+        leases = LeaseStore(store.client, prefix) if store is not None else None
         return cls(backend, sessionmaker, default_tier=settings.default_tier, ttl_s=settings.auth_cache_ttl_s,
                    limiter=RateLimiter(store), sla_admission=settings.sla_admission,
                    prior_step_s=settings.admission_step_s, leases=leases)
@@ -381,7 +383,12 @@ class AdmissionController:
                     return False
                 await asyncio.sleep(min(left, self.sample_s))
 
-        if not await unless_disconnected(request, wait):
+        self.lease_waiting[ticket.tenant] += 1
+        try:
+            got = await unless_disconnected(request, wait)
+        finally:
+            self.lease_waiting[ticket.tenant] -= 1
+        if not got:
             w = _Waiter(tier.priority, 0, ticket.tenant, tier, ticket, None, blocked="concurrency")  # type: ignore[arg-type]
             raise self._timeout_error(w, time.monotonic() - t0)
 

@@ -41,11 +41,9 @@ class TrackedBackend(CountingBackend):
 
 @contextlib.asynccontextmanager
 async def two_replicas(db_url: str, redis_url: str, prefix: str, shared: SharedPeak):
-    async with running_app(db_url, TrackedBackend(shared, token_delay_s=0.03), redis_url=redis_url) as (a, ca):
-        async with running_app(db_url, TrackedBackend(shared, token_delay_s=0.03), redis_url=redis_url) as (b, cb):
-            for app in (a, b):
-                app.state.admission.leases.prefix = prefix
-                app.state.admission.limiter.store.prefix = prefix + "rl:"
+    kw = {"redis_url": redis_url, "redis_prefix": prefix}
+    async with running_app(db_url, TrackedBackend(shared, token_delay_s=0.03), **kw) as (a, ca):
+        async with running_app(db_url, TrackedBackend(shared, token_delay_s=0.03), **kw) as (b, cb):
             yield (a, ca), (b, cb)
 
 

@@ -62,9 +62,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await state.live.stop()
         await state.admission.stop()
         await state.records.stop()  # flush buffered request records
+        await state.live.stop()  # then drop out of the live replicas (records.py's sweep)
         if not state.backend_start.done():
             state.backend_start.cancel()
         with contextlib.suppress(BaseException):
@@ -99,6 +99,9 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     leases = app.state.admission.leases
     app.state.live = LiveState(app.state.admission, app.state.stats, app.state.replica_id,
                                leases.client if leases is not None else None, settings.redis_prefix)
+    app.state.records.replica_id = app.state.replica_id
+    if leases is not None:
+        app.state.records.replica_alive = app.state.live.alive
     # gateway.observability.observe: every request's outcome, once
     app.state.observers = [app.state.stats, app.state.admission, app.state.records]
     app.state.started_at = int(time.time())

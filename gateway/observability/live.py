@@ -138,6 +138,10 @@ class LiveState:
                 snaps.append(snap)
         return snaps, False
 
+    async def alive(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` published its snapshot within ``ttl_s`` (raises if Redis fails)."""
+        return replica_id == self.replica_id or bool(await self.client.exists(f"{self.prefix}replica:{replica_id}"))
+
     async def _run(self) -> None:
         while True:
             try:

@@ -217,7 +217,7 @@ async def revoke_key(key_id: KeyId, request: Request, session: Session) -> KeyOu
 
 
 # ---------------------------------------------------------------------- records and stats
-Status = Literal["finished", "failed", "cancelled", "rejected"]
+Status = Literal["finished", "failed", "cancelled", "rejected", "running", "incomplete"]
 
 
 async def record_page(session: AsyncSession, *, limit: int, cursor: str | None, **filters) -> RecordPage:
@@ -334,6 +334,7 @@ async def tenancy_status(_: AdminPrincipal, request: Request) -> dict:
     return {
         "replica": state.replica_id,
         "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped, "rejected": w.rejected,
+                    "swept_incomplete": w.swept,
                     "write_errors": w.write_errors, "last_error": w.last_error},
         "admission": {"active": {t: n for t, n in a.tenant_active.items() if n},
                       "waiting": len(a._waiters), "rejections": dict(a.rejections),

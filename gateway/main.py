@@ -28,6 +28,7 @@ from gateway.db.session import make_engine, make_sessionmaker
 from gateway.api.error_handlers import install_error_handlers
 from gateway.observability.records import RecordWriter
 from gateway.observability.metrics import install as install_metrics
+from gateway.observability.live import LiveState, default_replica_id
 from gateway.observability.stats import RollingStats
 from runtime.interface import Backend
 
@@ -57,11 +58,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.backend_start = asyncio.create_task(_start_backend(state.backend))
     state.records.start()
     state.admission.start()
+    state.live.start()
     try:
         yield
     finally:
         await state.admission.stop()
         await state.records.stop()  # flush buffered request records
+        await state.live.stop()  # then drop out of the live replicas (records.py's sweep)
         if not state.backend_start.done():
             state.backend_start.cancel()
         with contextlib.suppress(BaseException):
@@ -92,6 +95,13 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.stats = RollingStats()
     app.state.admission = AdmissionController.from_settings(backend, app.state.sessionmaker, settings)
     app.state.records = RecordWriter.from_settings(app.state.sessionmaker, settings)
+    app.state.replica_id = settings.replica_id or default_replica_id()
+    leases = app.state.admission.leases
+    app.state.live = LiveState(app.state.admission, app.state.stats, app.state.replica_id,
+                               leases.client if leases is not None else None, settings.redis_prefix)
+    app.state.records.replica_id = app.state.replica_id
+    if leases is not None:
+        app.state.records.replica_alive = app.state.live.alive
     # gateway.observability.observe: every request's outcome, once
     app.state.observers = [app.state.stats, app.state.admission, app.state.records]
     app.state.started_at = int(time.time())

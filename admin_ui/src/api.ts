@@ -261,6 +261,18 @@ export interface TenancyStatus {
     predicted_tokens_per_s_at_1: number | null;
   };
 }
+/** GET /admin/v1/live: every live replica's state, merged (gateway/observability/live.py). */
+export interface Live {
+  replica: string;
+  shared: boolean;
+  degraded: boolean;
+  window_s: number;
+  replicas: { replica: string; running: number; waiting: number }[];
+  running_total: number;
+  waiting_total: number;
+  users: { tenant: string; user: string | null; requests: number; tokens_per_s: number | null; sla_attainment: number | null }[];
+  sla: { graded: number; met: number; attainment: number | null };
+}
 export interface List<T> {
   data: T[];
   since?: string;

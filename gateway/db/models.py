@@ -127,6 +127,9 @@ class RequestRecord(Base):
     """One row per request the gateway accepted for generation or refused at admission
     (status ``finished``/``failed``/``cancelled``/``rejected``). Written in batches by
     :class:`gateway.observability.records.RecordWriter`; pruned after ``record_retention_days``.
+    An admitted request is first written ``running`` (``finished_at`` = ``queued_at`` until it
+    ends) and updated in place when it ends; if its ``replica`` dies first, a sweep marks it
+    ``incomplete`` (error code ``replica_lost``). Rollups count only the four final statuses.
 
     Times are UTC; durations in seconds; speeds in tokens/s (decode tok/s is
     :func:`runtime.interface.decode_tokens_per_s`). ``sla_met`` is None when the request
@@ -145,6 +148,7 @@ class RequestRecord(Base):
         Index("ix_request_records_tenant_finished", "tenant", "finished_at"),
         Index("ix_request_records_tenant_user_finished", "tenant", "user", "finished_at"),
         Index("ix_request_records_tier_finished", "tier", "finished_at"),
+        Index("ix_request_records_status_replica", "status", "replica"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -181,6 +185,7 @@ class RequestRecord(Base):
     sla_met: Mapped[bool | None] = mapped_column(Boolean)
     constraint: Mapped[str | None] = mapped_column(String(16))
     mask_ms_per_token: Mapped[float | None] = mapped_column(Float)
+    replica: Mapped[str | None] = mapped_column(String(128))
 
 
 class UsageRollup(Base):

@@ -71,6 +71,8 @@ async def respond(
     admission = getattr(state, "admission", None)  # gateway.tenancy.admission: limits, queue, SLA (429s)
     ticket = await admission.admit(request, principal, ctx, state.observers) if admission is not None else None
     headers = ticket.headers if ticket is not None else {}  # x-ratelimit-*, also before the first SSE byte
+    if ticket is not None and getattr(state, "records", None) is not None:
+        state.records.request_started(ctx)  # a ``running`` record until it ends (records.py)
     try:
         gen_request = generation_request(ctx, prompt_ids, body, state.settings.request_timeout_s,
                                          fmt.num_top_logprobs, state.settings.prefix_cache_scope, response_format)

@@ -134,6 +134,7 @@ class RecordOut(_Out):
     sla_met: bool | None
     constraint: str | None
     mask_ms_per_token: float | None
+    replica: str | None = None  # the gateway process that served it (Settings.replica_id)
 
 
 class RecordPage(BaseModel):

@@ -679,6 +679,12 @@ def test_requests_table_shows_the_constraint_and_overview_splits_acceptance(brow
             sub = page.locator("[data-kpi=acceptance-split] .kpi-sub").text_content()
             assert sub.startswith(f"τ {js_fixed(g['tau'], 2)} / {js_fixed(p['tau'], 2)} · {g['rounds']} grammar, "
                                   f"{p['rounds']} plain")
+            # live state over all replicas (GET /admin/v1/live): one process, no Redis
+            live = c.get("/admin/v1/live").json()
+            page.wait_for_function("() => document.querySelector('[data-kpi=replicas] .kpi-value').textContent === '1'")
+            sub = page.locator("[data-kpi=replicas] .kpi-sub").text_content()
+            assert len(live["replicas"]) == 1 and live["sla"]["attainment"] is None
+            assert sub == f"0 running · 0 waiting · no SLA requests (last {live['window_s']:g} s) · single process"
             ui.open("user?tenant=acme&user=jo")
             page.wait_for_selector("table.requests tbody tr")
             for kind, rid in ids.items():

@@ -1,4 +1,4 @@
-import { get, type Acceptance, type Engine, type List, type SlaRow, type TenancyStatus, type Tier, type UserSeries } from "../api";
+import { get, type Acceptance, type Engine, type List, type Live, type SlaRow, type TenancyStatus, type Tier, type UserSeries } from "../api";
 import { ChartBox } from "../charts";
 import { fmt, fmtInt, h, pct } from "../dom";
 import type { Ctx } from "../main";
@@ -20,6 +20,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const kAcc = kpi("acceptance", "Acceptance rate", "accepted / drafted");
   const kSplit = kpi("acceptance-split", "Acceptance: grammar / plain", "JSON and tool requests / free text");
   const kSla = kpi("sla", "SLA attainment", "requests meeting their tier's tok/s");
+  const kReplicas = kpi("replicas", "Gateway replicas", "live, over all replicas");
 
   const tps = new ChartBox({ name: "tokens-per-s", title: "Decode tokens/s per user", type: "line", x: "time",
     description: "Line chart: each user's median decode tokens per second, per minute, over the selected window",
@@ -117,7 +118,13 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const samples: Sample[] = [];
   let prev: Engine | null = null;
   async function sampleEngine(): Promise<void> {
-    const [e, st] = await Promise.all([get<Engine>("/admin/v1/engine"), get<TenancyStatus>("/admin/v1/tenancy/status")]);
+    const [e, st, live] = await Promise.all([get<Engine>("/admin/v1/engine"), get<TenancyStatus>("/admin/v1/tenancy/status"),
+      get<Live>("/admin/v1/live").catch(() => null)]);
+    if (live) {
+      const sla = live.sla.attainment === null ? "no SLA requests" : `SLA ${pct(live.sla.attainment)}`;
+      kReplicas.set(fmtInt(live.replicas.length), `${live.running_total} running · ${live.waiting_total} waiting · ${sla} (last ${live.window_s} s)` +
+        (live.degraded ? " · Redis down: this replica only" : live.shared ? "" : " · single process"));
+    }
     const dSteps = prev ? e.decode_steps - prev.decode_steps : 0;
     const B = prev && dSteps > 0 ? (e.verify_tokens - prev.verify_tokens) / dSteps : null; // null: no decode round
     // Request-rounds since the last sample: the share the budget (or gate) gave no draft, and live τ.
@@ -152,7 +159,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const page = h("div", { class: "page overview" },
     pageHeader("Overview", windowPicker(win, (w) => ctx.go("overview", { window: w })), updated),
     msg.el,
-    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSplit.el, kSla.el),
+    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSplit.el, kSla.el, kReplicas.el),
     h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el, volume.el));
 
   const guard = async (fn: () => Promise<void>) => {

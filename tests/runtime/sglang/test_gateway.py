@@ -196,14 +196,15 @@ def moved(before: dict, after: dict, name: str, **labels) -> float:
 
 def record(client: httpx.Client, rid: str, timeout: float = 10.0) -> dict:
     """The request record ``rid`` via the admin API, once the writer has stored it (the
-    outcome is reported when the response stream closes, so it can trail the last byte)."""
+    outcome is reported when the response stream closes, so it can trail the last byte; until
+    then the record is ``running``)."""
     deadline = time.monotonic() + timeout
     while True:
         assert client.post("/admin/v1/rollups/refresh", headers=ADMIN_H).status_code == 204
         r = client.get(f"/admin/v1/requests/{rid}", headers=ADMIN_H)
-        if r.status_code == 200:
+        if r.status_code == 200 and r.json()["status"] != "running":
             return r.json()
-        assert r.status_code == 404, r.text
+        assert r.status_code in (200, 404), r.text
         assert time.monotonic() < deadline, f"no request record {rid}"
         time.sleep(0.05)
 

@@ -18,7 +18,9 @@ Constrained requests (``GenerationRequest.response_format``) carry a grammar mat
 (:mod:`runtime.engine.grammar`): each step their rows' logits are masked (−inf outside the
 grammar) before sampling and verification, the same way in both (drafts verified against
 the masked target), and the matcher advances over the tokens emitted. The time spent filling
-and applying those masks is summed per request (``Finished.grammar_mask_s``).
+and applying those masks is summed per request (``Finished.grammar_mask_s``) and for the
+engine (:attr:`LLMEngine.grammar_mask_s`, beside ``grammar_advance_s``: the matchers
+accepting emitted tokens; ``bench/grammar_cost.py`` reads both).
 
 Requests with penalties, ``logit_bias`` or ``min_tokens`` carry their logits processors
 (:mod:`runtime.engine.logits_processors`): after the grammar mask, their rows are processed

@@ -338,13 +338,14 @@ class LLMEngine:
 
         ``logits`` is a slice of this step's forward output; after this only :meth:`_logprobs`
         reads it (the rows of sequences that asked for logprobs), so without such a sequence
-        the mask and the processors write into it instead of a ``[rows, V]`` copy."""
+        the grammar mask is written into it (through numpy) instead of a ``[rows, V]`` copy."""
         own = logits.dtype == torch.float32 and all(s.request.sampling.logprobs is None for s in seqs)
         masked = self._masked(logits, seqs, drafts, inplace=own)
         if all(s.processors is None for s in seqs):
             return masked
+        # the forward's logits are inference tensors (no torch in-place op on them): processors copy
         return apply_processors(masked, [s.processors for s in seqs], [s.output_ids for s in seqs], drafts,
-                                copy=masked is logits and not own)
+                                copy=masked is logits)
 
     def _advance_grammar(self, seq: SequenceState, tokens: list[int]) -> bool:
         """Advance ``seq``'s matcher over its emitted ``tokens``; fail the request (``False``)

@@ -329,7 +329,7 @@ class Finished:
 
     ``grammar_mask_s``: for a request with a :class:`ResponseFormat`, the seconds
     (``time.perf_counter``) the engine spent computing and applying its grammar's token masks
-    (xgrammar bitmask fills, its share of each step's bitmask allocation and apply; under
+    (xgrammar bitmask fills, its share of each step's apply; under
     speculation every verification row, rejected drafts' rows too); ``None`` for free text or
     when the backend does not measure it (SGLang)."""
 

@@ -483,23 +483,29 @@ class RequestGrammar:
         self.matcher = xgr.GrammarMatcher(compiled)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the mask of the next token into ``bitmask[row]``; ``False`` (row untouched:
-        all allowed) once terminated."""
+        """Write the mask of the next token into ``bitmask[row]``; ``False`` when the row need
+        not be applied: it allows every token (then its content is unspecified), e.g. once
+        terminated (row untouched)."""
         if self.matcher.is_terminated():
             return False
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        return True
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def fill_verification(self, drafts: Sequence[int], bitmask: torch.Tensor, row0: int) -> None:
+    def fill_verification(self, drafts: Sequence[int], bitmask: torch.Tensor, row0: int) -> list[int]:
         """Masks of verification rows ``row0 + k`` (k = 0..ℓ): row k is the mask after the
         prefix ``x_<k+1`` of ``drafts``, i.e. the one that judges draft ``x_{k+1}`` (k < ℓ)
         or the bonus token (k = ℓ). The matcher advances over the drafts and is rolled back
         to where it was. At the first draft the grammar forbids, the rows after its own are
-        left all-allowed: that draft is rejected with probability 1 (its p_t is 0), so
-        verification never reads them. After a drafted stop token likewise (the reply ends)."""
+        not filled (all allowed): that draft is rejected with probability 1 (its p_t is 0), so
+        verification never reads them. After a drafted stop token likewise (the reply ends).
+
+        Returns:
+            the rows to apply: those filled with a mask that forbids something (a row not
+            listed allows every token; its content in ``bitmask`` is unspecified).
+        """
         m = self.matcher
-        if not self.fill(bitmask, row0):
-            return
+        if m.is_terminated():
+            return []
+        rows = [row0] if m.fill_next_token_bitmask(bitmask, row0) else []
         advanced = 0
         for k, tok in enumerate(drafts):
             if not m.accept_token(int(tok)):
@@ -507,9 +513,11 @@ class RequestGrammar:
             advanced += 1
             if m.is_terminated():
                 break
-            m.fill_next_token_bitmask(bitmask, row0 + k + 1)
+            if m.fill_next_token_bitmask(bitmask, row0 + k + 1):
+                rows.append(row0 + k + 1)
         if advanced:
             m.rollback(advanced)
+        return rows
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """Accept the emitted ``tokens`` in order; ``False`` if the grammar refuses one (a bug:
@@ -531,12 +539,70 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """A fp32 copy of ``logits`` ``[N, V]`` with the tokens ``bitmask`` forbids set to −inf in
-    ``rows`` (the other rows unchanged). ``bitmask``: ``int32 [N, ceil(V/32)]``."""
-    import xgrammar as xgr
+class BitmaskBuffer:
+    """One bitmask reused by every step (no allocation per step): grown to the largest number
+    of rows asked for so far. Rows are filled by :class:`RequestGrammar` and applied only when
+    listed (their content is otherwise stale)."""
 
-    out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
-    if rows:
-        xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=out.shape[-1], indices=list(rows))
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.tensor = new_bitmask(0, vocab_size)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The buffer, with at least ``n`` rows: ``int32 [≥ n, ceil(V/32)]``."""
+        if self.tensor.shape[0] < n:
+            self.tensor = new_bitmask(max(n, 2 * self.tensor.shape[0]), self.vocab_size)
+        return self.tensor
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ``rows`` as maximal ranges ``[a, b)`` of consecutive indices."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(rows)):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set ``logits[r, v]`` to −inf for every ``r`` in ``rows`` and every token ``v`` whose
+    bit is clear in ``bitmask[r]`` (bit ``v % 32`` of word ``v // 32``), in place.
+
+    ``logits``: fp32 ``[N, V]``, contiguous rows; ``bitmask``: ``int32 [≥ N, ≥ ceil(V/32)]``.
+    Vectorised over whole rows: numpy unpacks the inverted bits (``unpackbits``, little bit
+    order: the int32 words are little-endian) and writes −inf with one masked copy per run of
+    consecutive rows. The same result as ``xgrammar.apply_token_bitmask_inplace`` (tested),
+    whose CPU kernel tests bit by bit (~0.2 ms per 49152-wide row on a 2-core EPYC against
+    ~0.02 ms here, ``docs/benchmarks.md``)."""
+    import sys
+
+    import numpy as np
+
+    if not rows:
+        return
+    V = logits.shape[-1]
+    if sys.byteorder != "little" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=V, indices=list(rows))
+        return
+    out = logits.detach().numpy()
+    words = bitmask.numpy()
+    for a, b in _runs(rows):  # the inverted words unpack to 1 where forbidden: a bool array as it is
+        forbidden = np.unpackbits(np.invert(words[a:b]).view(np.uint8), axis=-1, count=V, bitorder="little")
+        np.copyto(out[a:b], -np.inf, where=forbidden.view(np.bool_))
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], inplace: bool = False) -> torch.Tensor:
+    """``logits`` ``[N, V]`` with the tokens ``bitmask`` forbids set to −inf in ``rows`` (the
+    other rows unchanged; :func:`apply_bitmask`). ``bitmask``: ``int32 [≥ N, ceil(V/32)]``
+    (row i masks logits row i). ``inplace``: ``logits`` (fp32, contiguous) itself is masked
+    and returned; otherwise a fp32 copy (the raw logits stay as they are)."""
+    if inplace and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        out = logits
+    else:
+        out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    apply_bitmask(out, bitmask, rows)
     return out

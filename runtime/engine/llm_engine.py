@@ -18,7 +18,9 @@ Constrained requests (``GenerationRequest.response_format``) carry a grammar mat
 (:mod:`runtime.engine.grammar`): each step their rows' logits are masked (−inf outside the
 grammar) before sampling and verification, the same way in both (drafts verified against
 the masked target), and the matcher advances over the tokens emitted. The time spent filling
-and applying those masks is summed per request (``Finished.grammar_mask_s``).
+and applying those masks is summed per request (``Finished.grammar_mask_s``) and for the
+engine (:attr:`LLMEngine.grammar_mask_s`, beside ``grammar_advance_s``: the matchers
+accepting emitted tokens; ``bench/grammar_cost.py`` reads both).
 
 Requests with penalties, ``logit_bias`` or ``min_tokens`` carry their logits processors
 (:mod:`runtime.engine.logits_processors`): after the grammar mask, their rows are processed
@@ -39,7 +41,7 @@ import torch
 
 from runtime.config import EngineConfig, resolve_dtype
 from runtime.engine.detokenizer import Detokenizer
-from runtime.engine.grammar import GrammarCache, RequestGrammar, mask_logits, new_bitmask
+from runtime.engine.grammar import BitmaskBuffer, GrammarCache, RequestGrammar, mask_logits
 from runtime.engine.logits_processors import RequestProcessors, apply_processors, check_params
 from runtime.engine.logprobs import token_logprobs
 from runtime.engine.prefix_cache import engine_prefix_cache
@@ -141,9 +143,12 @@ class LLMEngine:
         self.decode_rows = 0  # Σ per round of its decoding requests (request-rounds)
         self.zero_budget_rows = 0  # of those, request-rounds verified with ℓ_r = 0 (no draft token)
         self.decode_tokens = 0  # tokens those rounds produced (accepted + bonus, before stop/EOS cuts)
+        self.grammar_mask_s = 0.0  # Σ over steps of the wall time spent filling and applying grammar masks
+        self.grammar_advance_s = 0.0  # Σ of the time matchers spent accepting emitted tokens
         self._by_id: dict[str, SequenceState] = {}
         # response formats → compiled grammars (built on first use; compiled off this thread by AsyncEngine)
         self.grammars = GrammarCache(self.tokenizer, self.model.cfg.vocab_size, [self.eos_token_id])
+        self._bitmask = BitmaskBuffer(self.model.cfg.vocab_size)  # the constrained rows' masks, reused
 
     # -- requests -----------------------------------------------------------
     def add_request(self, req: GenerationRequest, grammar=None) -> None:
@@ -291,16 +296,21 @@ class LLMEngine:
                 if self._advance_grammar(seq, [tok]):
                     self._append_tokens(seq, [tok], logprobs=lp)
 
-    def _masked(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None) -> torch.Tensor:
+    def _masked(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None,
+                inplace: bool = False) -> torch.Tensor:
         """``logits`` with each constrained sequence's rows masked by its grammar (−inf where
         forbidden): one row per sequence (``drafts`` ``None``), or its ``1 + ℓ`` verification
         rows, row k masked for the prefix ``drafts[i][:k]``. The logits themselves when no
-        sequence is constrained (logprobs keep reading the raw ones)."""
+        sequence is constrained (logprobs keep reading the raw ones); with ``inplace`` (no
+        one reads the raw logits afterwards) masked in place, else a fp32 copy.
+
+        The bitmask is the engine's (reused every step), and only the rows whose mask forbids
+        something are applied, with xgrammar's CPU kernel: a step costs the fills plus one pass
+        over those rows (no allocation, no copy of ``[rows, V]`` unless ``inplace`` is off)."""
         if all(s.grammar is None for s in seqs):
             return logits
         t0 = time.perf_counter()
-        bitmask = new_bitmask(logits.shape[0], logits.shape[-1])
-        shared = time.perf_counter() - t0  # the allocation and the apply: shared by row count
+        bitmask = self._bitmask.rows(logits.shape[0])
         rows: list[int] = []
         masked: list[tuple[SequenceState, int]] = []
         row = 0
@@ -308,28 +318,32 @@ class LLMEngine:
             n = 1 + (len(drafts[i]) if drafts is not None else 0)
             if seq.grammar is not None:
                 t = time.perf_counter()
-                if drafts is None:
-                    seq.grammar.fill(bitmask, row)
-                else:
-                    seq.grammar.fill_verification(drafts[i], bitmask, row)
+                rows.extend(seq.grammar.fill_verification(drafts[i] if drafts is not None else (), bitmask, row))
                 seq.mask_s += time.perf_counter() - t
-                rows.extend(range(row, row + n))
                 masked.append((seq, n))
             row += n
         t = time.perf_counter()
-        out = mask_logits(logits, bitmask, rows)
-        shared += time.perf_counter() - t
+        out = mask_logits(logits, bitmask, rows, inplace)
+        shared = time.perf_counter() - t  # the apply: shared by row count
+        total = sum(n for _, n in masked)
         for seq, n in masked:
-            seq.mask_s += shared * n / len(rows)
+            seq.mask_s += shared * n / total
+        self.grammar_mask_s += time.perf_counter() - t0
         return out
 
     def _processed(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None) -> torch.Tensor:
         """:meth:`_masked`, then each sequence's logits processors on its rows (row k of a
         verified sequence as if ``drafts[i][:k]`` had been generated). The logits themselves
-        when no sequence is constrained or processed."""
-        masked = self._masked(logits, seqs, drafts)
+        when no sequence is constrained or processed.
+
+        ``logits`` is a slice of this step's forward output; after this only :meth:`_logprobs`
+        reads it (the rows of sequences that asked for logprobs), so without such a sequence
+        the grammar mask is written into it (through numpy) instead of a ``[rows, V]`` copy."""
+        own = logits.dtype == torch.float32 and all(s.request.sampling.logprobs is None for s in seqs)
+        masked = self._masked(logits, seqs, drafts, inplace=own)
         if all(s.processors is None for s in seqs):
             return masked
+        # the forward's logits are inference tensors (no torch in-place op on them): processors copy
         return apply_processors(masked, [s.processors for s in seqs], [s.output_ids for s in seqs], drafts,
                                 copy=masked is logits)
 
@@ -337,7 +351,12 @@ class LLMEngine:
         """Advance ``seq``'s matcher over its emitted ``tokens``; fail the request (``False``)
         if the grammar refuses one, which would be an engine bug (every token is sampled
         under its mask)."""
-        if seq.grammar is None or seq.grammar.advance(tokens):
+        if seq.grammar is None:
+            return True
+        t0 = time.perf_counter()
+        ok = seq.grammar.advance(tokens)
+        self.grammar_advance_s += time.perf_counter() - t0
+        if ok:
             return True
         self._fail(seq, "a generated token violates the response format's grammar", "engine_error")
         return False

@@ -18,7 +18,7 @@ from scipy import stats
 
 from runtime.config import EngineConfig
 from runtime.engine.grammar import (
-    GrammarCache, RequestGrammar, check_schema, mask_logits, new_bitmask, to_prefix_items,
+    GrammarCache, RequestGrammar, apply_bitmask, check_schema, mask_logits, new_bitmask, to_prefix_items,
 )
 from runtime.engine import llm_engine
 from runtime.engine.llm_engine import LLMEngine
@@ -189,7 +189,9 @@ def test_verification_rows_are_the_masks_of_the_draft_prefixes(grammars, tokeniz
     assert g.advance(text[:1])
     drafts = text[1:] + [EOS, 5]  # ends with the stop token, then one more draft
     mask = new_bitmask(len(drafts) + 1, V)
-    g.fill_verification(drafts, mask, 0)
+    applied = g.fill_verification(drafts, mask, 0)
+    # the rows judging the drafts up to the stop token forbid something; the two after it are not applied
+    assert applied == list(range(len(drafts) - 1))
     step = RequestGrammar(compiled)  # the reference: one token at a time
     step.advance(text[:1])
     for k, tok in enumerate(drafts[:-1]):
@@ -207,12 +209,32 @@ def test_verification_rows_are_the_masks_of_the_draft_prefixes(grammars, tokeniz
     g2 = RequestGrammar(compiled)
     bad = [tokenizer.encode("x", add_special_tokens=False)[0], text[1]]
     m2 = new_bitmask(3, V)
-    g2.fill_verification(bad, m2, 0)
+    assert g2.fill_verification(bad, m2, 0) == [0]  # only its own row is applied
     assert not bits(m2, 0)[bad[0]] and bits(m2, 1).all() and bits(m2, 2).all()
     logits = torch.zeros(3, V)
     out = mask_logits(logits, m2, [0])
     assert torch.isinf(out[0]).sum() == (~bits(m2, 0)).sum() and not torch.isinf(out[1:]).any()
     assert not torch.isinf(logits).any()  # the raw logits are untouched (logprobs read them)
+    assert mask_logits(logits, m2, [0], inplace=True) is logits and torch.equal(logits, out)
+
+
+@pytest.mark.parametrize("vocab", [V, V - 7, 40])
+def test_apply_bitmask_is_xgrammars_apply(vocab):
+    """The vectorised apply sets exactly the logits xgrammar's own kernel sets to −inf: random
+    words, all-allowed and all-forbidden rows, rows in runs and alone, a vocabulary that is not
+    a multiple of 32; rows not listed stay as they were."""
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(7)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (9, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bitmask[1], bitmask[2] = -1, 0
+    logits = torch.randn(8, vocab, generator=gen)
+    rows = [0, 1, 2, 3, 5, 7]
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    apply_bitmask(got, bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[2]).all() and not torch.isinf(got[1]).any() and torch.equal(got[4], logits[4])
 
 
 # -- the engine: lossless at T = 0, mixed batches -----------------------------------------------

@@ -39,9 +39,10 @@ def engine_load(live) -> dict:
 
 
 def own_record(live, rid: str) -> dict | None:
-    """The request record of ``rid`` (``None`` until the record writer has flushed it)."""
+    """The final request record of ``rid`` (``None`` until the record writer has flushed it;
+    while the request runs its record is the ``running`` row written at admission)."""
     r = httpx.get(f"{live.base_url}/v1/requests/{rid}", headers=live.headers(), timeout=10)
-    return r.json() if r.status_code == 200 else None
+    return r.json() if r.status_code == 200 and r.json()["status"] != "running" else None
 
 
 @pytest.fixture(scope="module")

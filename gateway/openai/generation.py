@@ -27,7 +27,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.core.errors import (
-    APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, server_error,
+    APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, runtime_failure, server_error,
 )
 from gateway.openai.formatters import Formatter
 from gateway.observability.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
@@ -88,9 +88,10 @@ async def close_events(events: object) -> None:
 
 
 def failure_error(event: Failed | Finished) -> APIError:
-    """500 ``server_error`` for a :class:`Failed` event (or an abnormal ``Finished``)."""
+    """The error for a :class:`Failed` event: 500 ``server_error``, or 502/503/504 for a failed
+    upstream (:func:`gateway.core.errors.runtime_failure`); 500 for an abnormal ``Finished``."""
     if isinstance(event, Failed):
-        return server_error(event.message or "The engine failed while generating.", event.code)
+        return runtime_failure(event.message or "The engine failed while generating.", event.code)
     return server_error(f"The request ended with finish_reason '{event.finish_reason.value}'.",
                         "request_aborted")
 
@@ -164,7 +165,8 @@ async def start_generation(
     Raises:
         APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 400 when the
             backend refuses the response format (:func:`grammar_error`), 500 when the engine
-            fails or aborts before the first token, 499 when the client left.
+            fails or aborts before the first token (502/503/504 for a failed upstream,
+            :func:`failure_error`), 499 when the client left.
     """
     if not backend.ready():
         raise model_not_ready()
@@ -199,7 +201,8 @@ async def collect(stream: EventStream, request: Request) -> tuple[str, Finished,
     (``logprobs``: all tokens' entries in order, ``None`` when no delta carried any).
 
     Raises:
-        APIError: 500 on ``Failed``/abnormal finish, 499 when the client left (aborted).
+        APIError: 500 on ``Failed``/abnormal finish (502/503/504 for a failed upstream,
+            :func:`failure_error`), 499 when the client left (aborted).
     """
 
     async def run() -> tuple[str, Finished, list[TokenLogprob] | None]:

@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 
 LABEL = "OpenAI-compatible"
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+DRAIN_TIMEOUT_S = 1.0
 
 
 class _Failure(Exception):
@@ -251,8 +252,18 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         return task
 
     @staticmethod
-    async def _close(resp: httpx.Response, lines: AsyncIterator[str]) -> None:
-        """Close the SSE reader and the response (with it, mid-body, the connection)."""
+    async def _close(resp: httpx.Response, lines: AsyncIterator[str], drain: bool) -> None:
+        """Close the SSE reader and the response: mid-body (``drain`` false) that closes the
+        connection, the abort; after ``[DONE]`` (``drain``) the rest of the body (the chunked
+        terminator) is read first, within :data:`DRAIN_TIMEOUT_S`, so the connection goes back
+        to the pool instead of being closed."""
+        try:
+            if drain:
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    async for _ in lines:
+                        pass
+        except Exception:  # noqa: BLE001 — then the connection is closed below instead
+            log.debug("draining an upstream stream failed", exc_info=True)
         try:
             await lines.aclose()
             await resp.aclose()
@@ -396,7 +407,7 @@ class OpenAIUpstreamBackend(GatewayTokenization):
             if not server_done:
                 log.debug("closing the %s stream of %s before it finished (abort)", LABEL, request.request_id)
             try:
-                await asyncio.shield(self._spawn(self._close(resp, lines)))
+                await asyncio.shield(self._spawn(self._close(resp, lines, drain=server_done)))
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 — _close logs its own failures

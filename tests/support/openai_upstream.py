@@ -10,7 +10,7 @@ each, token ids :data:`FIRST_ID` + i), cut at ``max_tokens`` (``finish_reason: "
 
 Knobs make it refuse (HTTP status), send an error object after k chunks, stall before the
 headers or after k chunks, or report unhealthy. It records every request body and its
-headers, the streams the client closed before the end (``disconnects``), and the most
+headers and connection, the streams the client closed before the end (``disconnects``), and the most
 requests it streamed at once (``max_in_flight``).
 """
 
@@ -48,6 +48,7 @@ class FakeUpstream:
     cached_tokens: int | None = None
     requests: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
+    peers: list[tuple] = field(default_factory=list)  # the client address of each request (its connection)
     disconnects: list[int] = field(default_factory=list)  # request index of each stream closed early
     completed: list[int] = field(default_factory=list)
     health_checks: int = 0
@@ -118,6 +119,7 @@ class FakeUpstream:
         index = len(self.requests)
         self.requests.append(body)
         self.headers.append(dict(request.headers))
+        self.peers.append(tuple(request.client))
         if self.stall_before_headers_s:
             await asyncio.sleep(self.stall_before_headers_s)
         if self.fail_status is not None:

@@ -88,6 +88,17 @@ async def test_streams_the_reply_with_the_usage_and_sends_token_ids(servers):
     assert srv.fake.completed == [0] and srv.fake.disconnects == []
 
 
+async def test_a_finished_stream_leaves_its_connection_to_the_next_request(servers):
+    """After ``[DONE]`` the body's end is read, so the pooled connection is reused (a stream
+    closed mid-body would close it: one TCP connect per request)."""
+    srv = servers[0]
+    async with backend(srv.url) as b:
+        for _ in range(3):
+            assert text_of(await run(b)) == TEXT
+            await async_wait_until(lambda: not b._background, "the stream's close task")
+    assert len(set(srv.fake.peers)) == 1 and len(srv.fake.peers) == 3
+
+
 async def test_token_ids_and_length_from_the_server(servers):
     async with backend(servers[0].url, return_token_ids=True) as b:
         events = await run(b, SamplingParams(max_tokens=3))

@@ -26,11 +26,15 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
 
 
-def get_settings(request: Request) -> Settings:
+# The dependencies below are ``async def`` although they never await: FastAPI runs a plain
+# ``def`` dependency in its thread pool, a thread hop (and GIL hand-off) on every request.
+
+
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_backend(request: Request) -> Backend:
+async def get_backend(request: Request) -> Backend:
     return request.app.state.backend
 
 
@@ -42,7 +46,7 @@ def backend_start_error(request: Request) -> BaseException | None:
     return None
 
 
-def get_ready_backend(request: Request) -> Backend:
+async def get_ready_backend(request: Request) -> Backend:
     """The backend, or 503 ``model_not_ready`` while it loads (or when it failed to start):
     generation routes need its tokenizer before anything else."""
     backend = request.app.state.backend

@@ -17,7 +17,6 @@ Contract with the HTTP layer:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -29,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core.errors import (
     APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, runtime_failure, server_error,
 )
-from gateway.openai.formatters import Formatter
+from gateway.openai.formatters import Formatter, sse
 from gateway.observability.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
 from runtime.interface import (
     Backend, Event, Failed, Finished, FinishReason, GenerationRequest, GrammarError, QueueFullError, TextDelta,
@@ -48,11 +47,6 @@ class ClientDisconnected(APIError):
 
     def __init__(self) -> None:
         super().__init__(499, "Client closed the request", code="client_closed_request")
-
-
-def sse(payload: dict) -> bytes:
-    """One SSE event: ``data: <compact json>\\n\\n`` (UTF-8, non-ASCII kept as is)."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
@@ -239,8 +233,9 @@ async def sse_events(
         async for event in stream:
             if isinstance(event, TextDelta):
                 if event.text or event.logprobs:
-                    for payload in fmt.delta(event.text, event.logprobs):
-                        yield sse(payload)
+                    data = fmt.delta_sse(event.text, event.logprobs)
+                    if data:
+                        yield data
             elif is_normal_finish(event):
                 for payload in fmt.finish(event):
                     yield sse(payload)

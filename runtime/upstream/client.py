@@ -28,8 +28,10 @@ Errors (the ``code`` of the :class:`~runtime.interface.Failed` event; the gatewa
   → ``upstream_error`` (502), the upstream's message kept;
 * a stream that breaks or ends before a finish reason → ``upstream_disconnected`` (502); a
   chunk that is not a completions chunk → ``upstream_protocol_error`` (502);
-* no headers or no chunk within ``read_timeout_s``, or the request's wall-clock limit →
-  ``upstream_timeout`` (504).
+* no headers or no chunk within ``read_timeout_s`` (or the request's wall-clock limit, when
+  shorter), or a chunk after that limit → ``upstream_timeout`` (504). The limit is checked at
+  each chunk, not by a timer per read (a few µs a chunk saved): a silent stream fails after
+  the read timeout.
 
 Whenever the iterator ends before the server finished (client disconnect: ``aclose()`` or task
 cancellation; or a failure above) the HTTP response is closed, which closes its connection:
@@ -184,9 +186,10 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         return SpecInfo(method="upstream")
 
     # -- opening --------------------------------------------------------------------
-    async def _open(self, payload: dict) -> tuple[Upstream, httpx.Response]:
+    async def _open(self, payload: dict, read_timeout: float) -> tuple[Upstream, httpx.Response]:
         """POST ``/v1/completions`` to the least-loaded healthy upstream, failing over on
-        connection errors and busy answers. The returned upstream is acquired.
+        connection errors and busy answers; ``read_timeout``: the longest wait for the headers
+        and then between two reads (seconds). The returned upstream is acquired.
 
         Raises:
             QueueFullError: every reachable upstream is busy (429/503 or at its cap).
@@ -211,7 +214,8 @@ class OpenAIUpstreamBackend(GatewayTokenization):
             self.router.acquire(upstream)
             try:
                 req = self._client.build_request("POST", upstream.url + "/v1/completions", content=body,
-                                                 headers={"Content-Type": "application/json", **upstream.headers})
+                                                 headers={"Content-Type": "application/json", **upstream.headers},
+                                                 timeout=httpx.Timeout(read_timeout, connect=self.config.connect_timeout_s))
                 resp = await self._client.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 self.router.release(upstream)
@@ -220,7 +224,7 @@ class OpenAIUpstreamBackend(GatewayTokenization):
             except httpx.TimeoutException as exc:
                 self.router.release(upstream)
                 raise _Failure(Failed(f"{LABEL} upstream {upstream.url} sent no response headers within "
-                                      f"{self.config.read_timeout_s:g} s ({type(exc).__name__})",
+                                      f"{read_timeout:g} s ({type(exc).__name__})",
                                       code="upstream_timeout")) from None
             except httpx.HTTPError as exc:
                 self.router.release(upstream)
@@ -285,9 +289,10 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         limit = request.timeout_s or self.config.request_timeout_s
         deadline = timings.queued + limit
         prompt_len = len(request.prompt_token_ids)
+        read_timeout = min(self.config.read_timeout_s, limit)
         try:
             payload = build_completions_payload(request, self.config)
-            upstream, resp = await self._open(payload)
+            upstream, resp = await self._open(payload, read_timeout)
         except (ValueError, NoHealthyUpstream) as exc:
             timings.finished = time.monotonic()
             code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
@@ -326,12 +331,10 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         lines = sse_data(resp)
         try:
             while True:
-                remaining = deadline - time.monotonic()
                 try:
-                    if remaining <= 0:
+                    if time.monotonic() >= deadline:  # checked per chunk; silence is the read timeout's
                         raise TimeoutError
-                    async with asyncio.timeout(remaining):
-                        data = await lines.__anext__()
+                    data = await lines.__anext__()
                 except StopAsyncIteration:
                     if reason is not None:  # finished, no [DONE]: the body simply ended
                         server_done = True
@@ -343,7 +346,7 @@ class OpenAIUpstreamBackend(GatewayTokenization):
                     yield failed(f"request exceeded its {limit:g} s limit", "upstream_timeout")
                     return
                 except httpx.TimeoutException as exc:
-                    yield failed(f"{where} sent nothing for {self.config.read_timeout_s:g} s ({type(exc).__name__})",
+                    yield failed(f"{where} sent nothing for {read_timeout:g} s ({type(exc).__name__})",
                                  "upstream_timeout")
                     return
                 except (httpx.HTTPError, UnicodeDecodeError) as exc:

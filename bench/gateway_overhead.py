@@ -38,6 +38,8 @@ skipped (said so in the JSON).
 Usage:
     .venv/bin/python bench/gateway_overhead.py --install-litellm
     .venv/bin/python bench/gateway_overhead.py --repeats 5 --concurrency 1 16 64 --no-litellm
+    git worktree add /tmp/sparkgate-old <commit> && \\
+        .venv/bin/python bench/gateway_overhead.py --no-litellm --compare-root /tmp/sparkgate-old
 """
 
 from __future__ import annotations
@@ -312,18 +314,19 @@ def start_upstream(n: int, interval_s: float) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def start_sparkgate(upstream_port: int, tmp: Path) -> tuple[subprocess.Popen, int, str]:
+def start_sparkgate(upstream_port: int, tmp: Path, root: Path = ROOT) -> tuple[subprocess.Popen, int, str]:
+    """Sparkgate from the checkout ``root`` (this one by default) with a fresh database in ``tmp``."""
     port = free_port()
     env = {**os.environ, "SPARKGATE_DATABASE_URL": f"sqlite+aiosqlite:///{tmp}/sparkgate.db",
            "SPARKGATE_BACKEND": "openai", "SPARKGATE_UPSTREAM_URLS": f"http://127.0.0.1:{upstream_port}",
-           "SPARKGATE_MODEL_NAME": MODEL, "PYTHONPATH": str(ROOT)}
+           "SPARKGATE_MODEL_NAME": MODEL, "PYTHONPATH": str(root)}
     py = sys.executable
-    subprocess.run([py, "-m", "gateway.cli", "db", "upgrade"], env=env, check=True, cwd=ROOT, capture_output=True)
+    subprocess.run([py, "-m", "gateway.cli", "db", "upgrade"], env=env, check=True, cwd=root, capture_output=True)
     out = subprocess.run([py, "-m", "gateway.cli", "keys", "create", "--tenant", "bench"], env=env, check=True,
-                         cwd=ROOT, capture_output=True, text=True).stdout
+                         cwd=root, capture_output=True, text=True).stdout
     key = next(w for w in out.split() if w.startswith("sk-"))
     proc = subprocess.Popen([py, "-m", "uvicorn", "gateway.main:create_app", "--factory", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning", "--workers", "1"], env=env, cwd=ROOT)
+                             "--port", str(port), "--log-level", "warning", "--workers", "1"], env=env, cwd=root)
     wait_ready(proc, f"http://127.0.0.1:{port}/readyz", "Sparkgate")
     return proc, port, key
 
@@ -430,6 +433,9 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=5.0)
     ap.add_argument("--install-litellm", action="store_true", help=f"create the LiteLLM venv ({LITELLM_PIN})")
     ap.add_argument("--no-litellm", action="store_true")
+    ap.add_argument("--compare-root", type=Path, default=None,
+                    help="also run Sparkgate from this other checkout (target 'sparkgate-compare'), e.g. an older "
+                         "commit's `git worktree`, to measure a change on the same machine in the same run")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:
@@ -454,6 +460,13 @@ def main() -> None:
         procs.append(sg)
         targets.append({"name": "sparkgate", "port": sg_port, "pid": sg.pid,
                         "headers": {"authorization": f"Bearer {sg_key}"}, "body": body})
+        if args.compare_root is not None:
+            cmp_tmp = tmp / "compare"
+            cmp_tmp.mkdir()
+            cp, cp_port, cp_key = start_sparkgate(up_port, cmp_tmp, args.compare_root.resolve())
+            procs.append(cp)
+            targets.append({"name": "sparkgate-compare", "port": cp_port, "pid": cp.pid, "version": str(args.compare_root),
+                            "headers": {"authorization": f"Bearer {cp_key}"}, "body": body})
         exe = None
         if not args.no_litellm:
             exe = install_litellm() if args.install_litellm else litellm_venv() / "bin" / "litellm"

@@ -127,6 +127,7 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._info: BackendInfo | None = None
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -164,14 +165,20 @@ class OpenAIUpstreamBackend(GatewayTokenization):
 
     @property
     def info(self) -> BackendInfo:
+        """The served model's facts (read several times per request: built once the tokenizer is loaded)."""
+        if self._info is not None:
+            return self._info
         eos = self.config.eos_token_id
         if eos is None:
             eos = getattr(self._tokenizer, "eos_token_id", None)
         vocab = len(self._tokenizer) if self._tokenizer is not None else None
-        return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
+        info = BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
                            supports_logprobs=self.config.logprobs,
                            supports_response_format=self.config.response_format,
                            chat_template_tools=self.chat_template_tools, vocab_size=vocab)
+        if self._tokenizer is not None:
+            self._info = info
+        return info
 
     def load(self) -> LoadSnapshot:
         """``running`` = our in-flight requests; ``waiting`` = 0 and ``forward_steps`` = 0 (not

@@ -144,6 +144,23 @@ async def test_http_error_is_upstream_error_and_busy_everywhere_is_queue_full(se
     assert err.value.retry_after_s == 7.0 and (len(a.fake.requests), len(b_.fake.requests)) == (2, 1)
 
 
+async def test_the_in_flight_cap_is_queue_full(servers):
+    a, b_ = servers
+    for s in servers:
+        s.fake.chunk_delay_s = 0.05
+    async with backend(a.url, b_.url, max_in_flight_per_upstream=1, retry_after_s=3) as b:
+        streams = [b.generate(GenerationRequest(f"cmpl-{i}", PROMPT, SamplingParams(max_tokens=16))) for i in range(3)]
+        firsts = [await s.__anext__() for s in streams[:2]]  # one stream on each upstream
+        assert [f.text for f in firsts] == ["Hello", "Hello"] and b.load().running == 2
+        assert b.load().max_batch == 2
+        with pytest.raises(QueueFullError, match="at 1 in-flight requests") as err:
+            await streams[2].__anext__()
+        assert err.value.retry_after_s == 3
+        for s in streams[:2]:
+            await s.aclose()
+    assert [len(s.fake.requests) for s in servers] == [1, 1]
+
+
 async def test_error_object_mid_stream(servers):
     servers[0].fake.error_after = 2
     async with backend(servers[0].url) as b:

@@ -26,15 +26,11 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger(__name__)
 
 
-# The dependencies below are ``async def`` although they never await: FastAPI runs a plain
-# ``def`` dependency in its thread pool, a thread hop (and GIL hand-off) on every request.
-
-
-async def get_settings(request: Request) -> Settings:
+def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-async def get_backend(request: Request) -> Backend:
+def get_backend(request: Request) -> Backend:
     return request.app.state.backend
 
 
@@ -46,7 +42,7 @@ def backend_start_error(request: Request) -> BaseException | None:
     return None
 
 
-async def get_ready_backend(request: Request) -> Backend:
+def get_ready_backend(request: Request) -> Backend:
     """The backend, or 503 ``model_not_ready`` while it loads (or when it failed to start):
     generation routes need its tokenizer before anything else."""
     backend = request.app.state.backend

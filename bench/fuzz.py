@@ -11,9 +11,9 @@ Three phases, then one JSON object on stdout (exit status 1 when an invariant fa
 1. **random**: every operation × {positive, negative} generation, ``--examples`` cases each;
    ``/admin/*`` and ``/metrics`` with the admin token, the rest with a tenant key (a fresh
    one per phase: the admin fuzz revokes and deletes what it finds). Positive
-   chat/completions cases get the served model's name 4 times in 5 (a random name is
-   always a 404 and never reaches the engine), messages a valid role and a string content
-   4 times in 5, and ``max_tokens`` ≤ ``--max-tokens``.
+   chat/completions/responses cases get the served model's name 4 times in 5 (a random name
+   is always a 404 and never reaches the engine), messages a valid role and a string content
+   4 times in 5, and ``max_tokens`` (``max_output_tokens``) ≤ ``--max-tokens``.
    Every other case carries a **hostile string** — a lone surrogate or NUL, sent as a JSON
    escape (schemathesis itself never generates surrogates: they cannot be UTF-8) — in one
    string of the body, or in a declared top-level string property it lacked (``user``).
@@ -21,7 +21,7 @@ Three phases, then one JSON object on stdout (exit status 1 when an invariant fa
    there was one) is re-sent with each string of its body, each declared top-level string
    property and each string path/query parameter set to each value of :data:`SWEEP`
    (bodies) or :data:`URL_HOSTILE` (percent-escaped: NUL, a UTF-8-encoded surrogate, …);
-   chat/completions without a 2xx case start from a minimal request the engine serves.
+   chat/completions/responses without a 2xx case start from a minimal request the engine serves.
 3. **health**: a normal request with a fresh key must show up in ``/v1/requests`` within
    ``--record-deadline`` seconds (the record writer still writes); the writer's counters.
 
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ["\ud800", "a\udfffb", "\udc00\ud800", "\x00", "x\x00y", "\ufffe", "\u202e"]
 SWEEP = ["\ud800", "x\x00y"]  # the two classes of issue 25: a lone surrogate, NUL
 URL_HOSTILE = ["%00", "%ED%A0%80", "%C0%80", "%FF"]
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ROLES = ["user", "system", "assistant"]
 SAMPLES = 20  # failure samples kept per kind (all are counted)
 
@@ -244,7 +244,7 @@ class Fuzzer:
                 if isinstance(m, dict) and draw(_st().integers(0, 4)) > 0:
                     m["role"] = draw(_st().sampled_from(ROLES))
                     m["content"] = m["content"] if isinstance(m.get("content"), str) else "Hi"
-            for k in ("max_tokens", "max_completion_tokens"):
+            for k in ("max_output_tokens",) if op.path == "/v1/responses" else ("max_tokens", "max_completion_tokens"):
                 if not isinstance(body.get(k), int) or body[k] > self.max_tokens:
                     body[k] = draw(_st().integers(1, self.max_tokens))
         targets = string_leaves(body) + self.declared(op.path, op.method, body)
@@ -287,8 +287,10 @@ class Fuzzer:
         method, path = op.method.upper(), op.path
         status, base = self.baselines.get((method, path), (None, None))
         if path in GENERATION_PATHS and (status is None or status >= 300):  # a request the engine serves
-            prompt = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
-            base = {"path": {}, "query": {}, "body": {"model": self.model, **prompt, "max_tokens": self.max_tokens}}
+            prompt = ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": self.max_tokens} if "chat" in path
+                      else {"input": "Hi", "max_output_tokens": self.max_tokens} if "responses" in path
+                      else {"prompt": "Hi", "max_tokens": self.max_tokens})
+            base = {"path": {}, "query": {}, "body": {"model": self.model, **prompt}}
         params = string_parameters(self.raw, path, method)
         if base is None and (params or string_properties(self.raw, path, method)):
             base = {"path": {n: "x" for loc, n in params if loc == "path"}, "query": {}, "body": None}

@@ -183,9 +183,10 @@ async def run_soak(base: str, admin_token: str, clients: int = 64, duration_s: f
             await asyncio.sleep(0.2)
         expected = res.sent + 1  # + the warm-up request
         t0 = time.monotonic()
-        while True:  # records are written in batches every ~0.5 s
+        while True:  # records are written in batches every ~0.5 s (``running`` ones until their end)
             recs = await _records(http, admin, tenant)
-            if len(recs) >= expected or time.monotonic() - t0 > 30:
+            ended = all(r["status"] != "running" for r in recs)
+            if (len(recs) >= expected and ended) or time.monotonic() - t0 > 30:
                 break
             await asyncio.sleep(0.5)
         res.rss_end_mib = _rss_mib(pid)

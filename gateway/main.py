@@ -21,13 +21,14 @@ from starlette.middleware.cors import CORSMiddleware
 from gateway.admin_ui import install as install_admin_ui
 from gateway.tenancy.admission import AdmissionController
 from gateway.api.bodylimit import BodyLimitMiddleware
-from gateway.api.routes import admin, chat, completions, engine, health, models, usage
+from gateway.api.routes import admin, chat, completions, engine, health, models, responses, usage
 from gateway.core.config import Settings
 from gateway.core.security import AuthCache
 from gateway.db.session import make_engine, make_sessionmaker
 from gateway.api.error_handlers import install_error_handlers
 from gateway.observability.records import RecordWriter
 from gateway.observability.metrics import install as install_metrics
+from gateway.observability.live import LiveState, default_replica_id
 from gateway.observability.stats import RollingStats
 from runtime.interface import Backend
 
@@ -57,11 +58,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.backend_start = asyncio.create_task(_start_backend(state.backend))
     state.records.start()
     state.admission.start()
+    state.live.start()
     try:
         yield
     finally:
         await state.admission.stop()
         await state.records.stop()  # flush buffered request records
+        await state.live.stop()  # then drop out of the live replicas (records.py's sweep)
         if not state.backend_start.done():
             state.backend_start.cancel()
         with contextlib.suppress(BaseException):
@@ -92,13 +95,20 @@ def create_app(settings: Settings | None = None, backend: Backend | None = None)
     app.state.stats = RollingStats()
     app.state.admission = AdmissionController.from_settings(backend, app.state.sessionmaker, settings)
     app.state.records = RecordWriter.from_settings(app.state.sessionmaker, settings)
+    app.state.replica_id = settings.replica_id or default_replica_id()
+    leases = app.state.admission.leases
+    app.state.live = LiveState(app.state.admission, app.state.stats, app.state.replica_id,
+                               leases.client if leases is not None else None, settings.redis_prefix)
+    app.state.records.replica_id = app.state.replica_id
+    if leases is not None:
+        app.state.records.replica_alive = app.state.live.alive
     # gateway.observability.observe: every request's outcome, once
     app.state.observers = [app.state.stats, app.state.admission, app.state.records]
     app.state.started_at = int(time.time())
 
     install_error_handlers(app)
-    for router in (health.router, models.router, chat.router, completions.router, engine.router, admin.router,
-                   usage.router):
+    for router in (health.router, models.router, chat.router, completions.router, responses.router, engine.router,
+                   admin.router, usage.router):
         app.include_router(router)
     install_metrics(app)  # Prometheus observer + /metrics (after the error handlers)
     install_admin_ui(app)  # the admin UI's static files at /admin (admin_ui/dist)

@@ -325,7 +325,13 @@ class Finished:
 
     ``cached_tokens``: prompt tokens whose KV came from the prefix cache instead of a
     prefill (OpenAI ``usage.prompt_tokens_details.cached_tokens``); ``None`` when the
-    backend does not report it."""
+    backend does not report it.
+
+    ``grammar_mask_s``: for a request with a :class:`ResponseFormat`, the seconds
+    (``time.perf_counter``) the engine spent computing and applying its grammar's token masks
+    (xgrammar bitmask fills, its share of each step's bitmask allocation and apply; under
+    speculation every verification row, rejected drafts' rows too); ``None`` for free text or
+    when the backend does not measure it (SGLang)."""
 
     finish_reason: FinishReason
     prompt_tokens: int
@@ -333,6 +339,7 @@ class Finished:
     timings: RequestTimings
     spec: SpecStats | None = None
     cached_tokens: int | None = None
+    grammar_mask_s: float | None = None
 
     @property
     def decode_tokens_per_s(self) -> float | None:

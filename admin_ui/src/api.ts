@@ -164,6 +164,8 @@ export interface Record_ {
   accepted_per_position: number[] | null;
   sla_target_tokens_per_s: number | null;
   sla_met: boolean | null;
+  constraint: "json_object" | "json_schema" | "tools" | null;
+  mask_ms_per_token: number | null;
 }
 export interface RecordPage {
   data: Record_[];
@@ -209,6 +211,17 @@ export interface Acceptance {
   acceptance_rate: number | null;
   tau: number | null;
   per_position: number[];
+  constrained: SpecSplit;
+  plain: SpecSplit;
+}
+/** Speculation of grammar-constrained (JSON, tools) or of free-text requests. */
+export interface SpecSplit {
+  rounds: number;
+  drafted: number;
+  accepted: number;
+  emitted: number;
+  acceptance_rate: number | null;
+  tau: number | null;
 }
 export interface SlaRow {
   tier: string | null;
@@ -247,6 +260,18 @@ export interface TenancyStatus {
     rejections: Record<string, number>;
     predicted_tokens_per_s_at_1: number | null;
   };
+}
+/** GET /admin/v1/live: every live replica's state, merged (gateway/observability/live.py). */
+export interface Live {
+  replica: string;
+  shared: boolean;
+  degraded: boolean;
+  window_s: number;
+  replicas: { replica: string; running: number; waiting: number }[];
+  running_total: number;
+  waiting_total: number;
+  users: { tenant: string; user: string | null; requests: number; tokens_per_s: number | null; sla_attainment: number | null }[];
+  sla: { graded: number; met: number; attainment: number | null };
 }
 export interface List<T> {
   data: T[];

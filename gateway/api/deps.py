@@ -19,6 +19,7 @@ from gateway.crud import keys as crud_keys
 from gateway.db.models import utcnow
 from gateway.core.errors import (forbidden, from_validation_error, invalid_request, model_not_ready, overloaded,
                             unauthorized)
+from gateway.openai.responses_schemas import ResponsesRequest
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.interface import Backend
 
@@ -198,3 +199,8 @@ async def chat_body(request: Request, _: CurrentPrincipal) -> ChatCompletionRequ
 async def completion_body(request: Request, _: CurrentPrincipal) -> CompletionRequest:
     """Parsed ``/v1/completions`` body (auth runs first)."""
     return validate_body(CompletionRequest, await read_json_object(request))
+
+
+async def responses_body(request: Request, _: CurrentPrincipal) -> ResponsesRequest:
+    """Parsed ``/v1/responses`` body (auth runs first)."""
+    return validate_body(ResponsesRequest, await read_json_object(request))

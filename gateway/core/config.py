@@ -71,8 +71,14 @@ class Settings(_Derived):
             tenant/tier/key-limit cache uses the same TTL. While the database is down,
             known keys keep working on their last cached values.
         default_tier: the SLA tier of tenants without one (a missing tier = unlimited).
-        redis_url: optional ``redis://host:port/db`` sharing the rate-limit buckets between
-            replicas; unset → per-replica buckets.
+        redis_url: optional ``redis://host:port/db`` sharing the rate-limit buckets, the
+            ``max_concurrent`` leases and the live admin state between replicas; unset →
+            per-replica state.
+        redis_prefix: prefix of every Redis key the gateway writes (several deployments may
+            share one Redis with different prefixes).
+        replica_id: this process's name in the live admin state and in request records
+            (``request_records.replica``); unset → ``<hostname>-<pid>-<4 hex>``, new at
+            each start.
         record_buffer_max: request records buffered in memory while the database is slow
             or down; beyond it records are dropped and counted (``RecordWriter.dropped``).
         record_batch_size: request records per insert.
@@ -109,6 +115,8 @@ class Settings(_Derived):
     auth_cache_ttl_s: float = 5.0
     default_tier: str = "default"
     redis_url: str | None = None
+    redis_prefix: str = "sparkgate:"
+    replica_id: str | None = None
     record_buffer_max: int = 10_000
     record_batch_size: int = 500
     record_flush_interval_s: float = 0.5

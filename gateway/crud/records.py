@@ -28,6 +28,31 @@ from gateway.observability.observe import STATUSES, is_served
 from gateway.observability.stats import user_tokens_per_s
 
 MINUTE = timedelta(minutes=1)
+SPEC_SUMS = ("rounds", "drafted", "accepted", "emitted")  # the rollups' spec_* (and constrained_spec_*) sums
+
+
+RUNNING, INCOMPLETE = "running", "incomplete"
+OPEN_STATUSES = (RUNNING, INCOMPLETE)  # records a later final row of the same id replaces
+
+
+async def mark_incomplete(session: AsyncSession, replicas: list[str], now: datetime) -> int:
+    """Mark the ``running`` records of ``replicas`` (dead ones) ``incomplete`` (error code
+    ``replica_lost``, ``finished_at`` = ``now``); commit. Returns how many."""
+    if not replicas:
+        return 0
+    res = await session.execute(update(RequestRecord).where(
+        RequestRecord.status == RUNNING, RequestRecord.replica.in_(replicas)).values(
+        status=INCOMPLETE, error_code="replica_lost", finished_at=now,
+        error_message="The gateway replica serving this request stopped before it ended (killed or crashed)."))
+    await session.commit()
+    return res.rowcount or 0
+
+
+async def running_replicas(session: AsyncSession) -> list[str]:
+    """Replica ids that have ``running`` records."""
+    rows = await session.scalars(select(RequestRecord.replica).where(
+        RequestRecord.status == RUNNING, RequestRecord.replica.is_not(None)).distinct())
+    return list(rows)
 
 
 def minute_of(ts: datetime) -> datetime:
@@ -38,25 +63,30 @@ def minute_of(ts: datetime) -> datetime:
 async def insert_records(session: AsyncSession, rows: list[dict]) -> int:
     """Insert ``rows`` (dicts of :class:`RequestRecord` columns) and add the tokens of the
     served ones (:func:`is_served`; refusals cost nothing) to ``api_keys.tokens_used``;
-    commit. Rows whose id already exists are skipped (a batch
-    retried after a lost commit acknowledgement is not double counted). Returns the
-    number inserted."""
+    commit. A final row whose id exists as ``running``/``incomplete`` (:data:`OPEN_STATUSES`)
+    updates it; other rows whose id already exists are skipped (a batch retried after a lost
+    commit acknowledgement is not double counted). Returns the number inserted or ended."""
     if not rows:
         return 0
     ids = [r["id"] for r in rows]
-    existing = set(await session.scalars(select(RequestRecord.id).where(RequestRecord.id.in_(ids))))
+    existing = dict((await session.execute(select(RequestRecord.id, RequestRecord.status)
+                                           .where(RequestRecord.id.in_(ids)))).all())
     new = [r for r in rows if r["id"] not in existing]
-    if new:
-        await session.execute(insert(RequestRecord), new)
+    ending = [r for r in rows if existing.get(r["id"]) in OPEN_STATUSES and r["status"] not in OPEN_STATUSES]
+    if ending:  # a ``running`` (or swept ``incomplete``) row gets its final values
+        await session.execute(update(RequestRecord), ending)
+    if new or ending:
+        if new:
+            await session.execute(insert(RequestRecord), new)
         used: dict[int, int] = defaultdict(int)
-        for r in new:
+        for r in new + ending:
             if r.get("key_id") is not None and is_served(r["status"], r["completion_tokens"]):
                 used[r["key_id"]] += r["prompt_tokens"] + r["completion_tokens"]
         for key_id, tokens in used.items():
             await session.execute(update(ApiKey).where(ApiKey.id == key_id)
                                   .values(tokens_used=ApiKey.tokens_used + tokens))
     await session.commit()
-    return len(new)
+    return len(new) + len(ending)
 
 
 def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dict]:
@@ -76,6 +106,7 @@ def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dic
                 positions[j] += n
         count = {s: sum(r.status == s for r in recs) for s in STATUSES}
         served = [r for r in recs if is_served(r.status, r.completion_tokens)]
+        constrained = [r for r in recs if r.constraint is not None]
         out.append(dict(
             minute=minute, tenant=tenant, user=user, tier=tier, model=model, requests=len(recs), **count,
             prompt_tokens=sum(r.prompt_tokens for r in served),
@@ -87,6 +118,7 @@ def _rollup_rows(minute: datetime, records: Iterable[RequestRecord]) -> list[dic
             spec_rounds=sum(r.spec_rounds or 0 for r in recs), spec_drafted=sum(r.spec_drafted or 0 for r in recs),
             spec_accepted=sum(r.spec_accepted or 0 for r in recs), spec_emitted=sum(r.spec_emitted or 0 for r in recs),
             accepted_per_position=positions or None,
+            **{f"constrained_spec_{k}": sum(getattr(r, f"spec_{k}") or 0 for r in constrained) for k in SPEC_SUMS},
         ))
     return out
 
@@ -101,7 +133,7 @@ async def recompute_rollups(session: AsyncSession, buckets: Iterable[tuple[datet
         try:
             for minute, tenant in buckets:
                 recs = await session.scalars(select(RequestRecord).where(
-                    RequestRecord.tenant == tenant, RequestRecord.finished_at >= minute,
+                    RequestRecord.tenant == tenant, RequestRecord.status.in_(STATUSES), RequestRecord.finished_at >= minute,
                     RequestRecord.finished_at < minute + MINUTE))
                 rows = _rollup_rows(minute, recs)
                 await session.execute(delete(UsageRollup).where(UsageRollup.tenant == tenant,
@@ -233,10 +265,18 @@ def user_series(rows: list[UsageRollup]) -> list[dict]:
     return out
 
 
+def _spec_split(rounds: int, drafted: int, accepted: int, emitted: int) -> dict:
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted, "emitted": emitted,
+            "acceptance_rate": accepted / drafted if drafted else None, "tau": emitted / rounds if rounds else None}
+
+
 def acceptance(rows: list[UsageRollup], group_by: str) -> list[dict]:
     """Speculative acceptance grouped by ``tenant``, ``model`` or ``tier``:
     ``acceptance_rate`` = accepted/drafted, ``tau`` = emitted tokens per round, and
-    ``per_position[j]`` = fraction of rounds whose draft token j+1 was accepted."""
+    ``per_position[j]`` = fraction of rounds whose draft token j+1 was accepted.
+    ``constrained`` and ``plain`` split the sums (``rounds``, ``drafted``, ``accepted``,
+    ``emitted``, ``acceptance_rate``, ``tau``) between requests whose output a grammar
+    constrained (JSON or tools: drafts verified against the masked target) and the others."""
     groups: dict[str, list[UsageRollup]] = defaultdict(list)
     for r in rows:
         groups[getattr(r, group_by)].append(r)
@@ -249,10 +289,13 @@ def acceptance(rows: list[UsageRollup], group_by: str) -> list[dict]:
             for j, n in enumerate(r.accepted_per_position or []):
                 pos += [0] * (j + 1 - len(pos))
                 pos[j] += n
+        grammar = [sum(getattr(r, f"constrained_spec_{k}") or 0 for r in rs) for k in SPEC_SUMS]
         out.append({group_by: name or None, "rounds": rounds, "drafted": drafted, "accepted": accepted,
                     "emitted": emitted, "acceptance_rate": accepted / drafted if drafted else None,
                     "tau": emitted / rounds if rounds else None,
-                    "per_position": [n / rounds for n in pos] if rounds else []})
+                    "per_position": [n / rounds for n in pos] if rounds else [],
+                    "constrained": _spec_split(*grammar),
+                    "plain": _spec_split(*(total - g for total, g in zip((rounds, drafted, accepted, emitted), grammar)))})
     return out
 
 

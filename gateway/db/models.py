@@ -1,6 +1,8 @@
 """SQLAlchemy 2 typed ORM models. The schema itself is created by the Alembic
 revisions in ``migrations/versions`` (``0001_initial``, ``0002_tenancy``; ``0003_billed_usage``
-only recomputes rollup token sums), never by ``create_all``.
+only recomputes rollup token sums; ``0004_responses``: stored Responses API responses;
+``0005_record_constraint`` adds the records' constraint and grammar-mask time and the rollups'
+constrained speculation sums), never by ``create_all``.
 
 Tenancy (``0002``): every tenant has an optional :class:`SlaTier` (none → the tier
 named by ``Settings.default_tier``); every served request leaves one
@@ -125,10 +127,20 @@ class RequestRecord(Base):
     """One row per request the gateway accepted for generation or refused at admission
     (status ``finished``/``failed``/``cancelled``/``rejected``). Written in batches by
     :class:`gateway.observability.records.RecordWriter`; pruned after ``record_retention_days``.
+    An admitted request is first written ``running`` (``finished_at`` = ``queued_at`` until it
+    ends) and updated in place when it ends; if its ``replica`` dies first, a sweep marks it
+    ``incomplete`` (error code ``replica_lost``). Rollups count only the four final statuses.
 
     Times are UTC; durations in seconds; speeds in tokens/s (decode tok/s is
     :func:`runtime.interface.decode_tokens_per_s`). ``sla_met`` is None when the request
     had no target or no measurable decode speed.
+
+    ``constraint``: what the request constrained its output to — ``"json_object"``,
+    ``"json_schema"``, ``"tools"`` or ``None`` (free text;
+    :func:`gateway.openai.translate.constraint_kind`). ``mask_ms_per_token``: the mean
+    milliseconds the engine spent computing and applying the request's grammar masks per
+    generated token (``Finished.grammar_mask_s`` / completion tokens); ``None`` for free text,
+    requests without a token and backends that do not measure it (SGLang).
     """
 
     __tablename__ = "request_records"
@@ -136,6 +148,7 @@ class RequestRecord(Base):
         Index("ix_request_records_tenant_finished", "tenant", "finished_at"),
         Index("ix_request_records_tenant_user_finished", "tenant", "user", "finished_at"),
         Index("ix_request_records_tier_finished", "tier", "finished_at"),
+        Index("ix_request_records_status_replica", "status", "replica"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -170,6 +183,9 @@ class RequestRecord(Base):
     accepted_per_position: Mapped[list | None] = mapped_column(JSON)
     sla_target_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     sla_met: Mapped[bool | None] = mapped_column(Boolean)
+    constraint: Mapped[str | None] = mapped_column(String(16))
+    mask_ms_per_token: Mapped[float | None] = mapped_column(Float)
+    replica: Mapped[str | None] = mapped_column(String(128))
 
 
 class UsageRollup(Base):
@@ -181,7 +197,9 @@ class UsageRollup(Base):
     decode tok/s); ``sla_*`` count requests with a target and a measured speed.
     ``requests`` and the per-status counts cover every record; ``prompt_tokens`` and
     ``completion_tokens`` are billed tokens, of served requests only
-    (:func:`gateway.observability.observe.is_served`).
+    (:func:`gateway.observability.observe.is_served`). ``constrained_spec_*`` are the
+    ``spec_*`` sums of the records with a ``constraint`` (JSON or tools: grammar-masked
+    verification); the plain requests' are the difference.
     """
 
     __tablename__ = "usage_rollups"
@@ -215,3 +233,37 @@ class UsageRollup(Base):
     spec_accepted: Mapped[int] = mapped_column(BigInteger, default=0)
     spec_emitted: Mapped[int] = mapped_column(BigInteger, default=0)
     accepted_per_position: Mapped[list | None] = mapped_column(JSON)
+    constrained_spec_rounds: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_drafted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_accepted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    constrained_spec_emitted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class StoredResponse(Base):
+    """A Responses API response stored for ``previous_response_id`` and ``GET``/``DELETE
+    /v1/responses/{id}`` (``store``, default true; :mod:`gateway.crud.responses`).
+
+    Attributes:
+        id: the response id (``resp_…``, also its request record's id).
+        tenant: the tenant whose key created it; only that tenant can read, continue or
+            delete it (others get 404).
+        input_items: the whole conversation the model was given, normalised
+            (:func:`gateway.openai.responses_input.conversation_items`: the continued
+            response's conversation and output, then this request's input; instructions
+            are not part of it).
+        output_items: the response's ``output``.
+        body: the rest of the response object, as it was returned.
+    """
+
+    __tablename__ = "responses"
+    __table_args__ = (Index("ix_responses_tenant_created", "tenant", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, server_default=func.now())
+    model: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    input_items: Mapped[list] = mapped_column(JSON)
+    output_items: Mapped[list] = mapped_column(JSON)
+    body: Mapped[dict] = mapped_column(JSON)

@@ -38,6 +38,15 @@ counts rejected outcomes with an admission code (:data:`ADMISSION_CODES`),
 request-record writer's backlog/drops (``app.state.records``: ``buffered``,
 ``dropped``, ``rejected``) are read at scrape time.
 
+Constrained decoding (chat ``response_format`` and ``tools``; ``constraint`` label
+``json_object``/``json_schema``/``tools``, :func:`gateway.openai.translate.constraint_kind`):
+``constrained_requests_total`` counts every such request at its end (refused ones too),
+``grammar_mask_time_per_output_token_seconds`` observes each one's engine time spent computing
+and applying grammar masks divided by its completion tokens (requests with ≥ 1 token on a
+backend that measures it: the embedded engine), and ``spec_decode_num_*_by_constraint_total``
+split the speculative counters by it (``constraint="none"``: free-text requests), so
+acceptance under grammar masks can be told from plain acceptance.
+
 Cardinality: tenant names pass through :data:`TENANTS` — the first
 ``metrics_max_tenants`` distinct tenants keep their name, later ones are ``other``;
 tier names through :data:`TIERS` (cap 10); no user ids or keys are ever labels.
@@ -128,6 +137,25 @@ SPEC_VERIFIED_PER_ROUND = Histogram(
     "sparkgate:spec_decode_verified_tokens_per_round", "Per request: mean draft tokens verified per round (tokens).",
     ("tier",), buckets=(0.5, 1, 1.5, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 
+SPEC_DRAFTS_BY = Counter("sparkgate:spec_decode_num_drafts_by_constraint_total",
+                         "Speculative rounds, by the request's output constraint (none: free text).", ("constraint",))
+SPEC_DRAFT_TOKENS_BY = Counter("sparkgate:spec_decode_num_draft_tokens_by_constraint_total",
+                               "Draft tokens proposed, by the request's output constraint (none: free text).",
+                               ("constraint",))
+SPEC_ACCEPTED_TOKENS_BY = Counter("sparkgate:spec_decode_num_accepted_tokens_by_constraint_total",
+                                  "Draft tokens accepted, by the request's output constraint (none: free text).",
+                                  ("constraint",))
+
+# -- constrained decoding ---------------------------------------------------------------
+CONSTRAINED_REQUESTS = Counter("sparkgate:constrained_requests_total",
+                               "Requests whose output a grammar constrained (JSON response formats, tools), "
+                               "by kind, whatever their end.", ("constraint", *REQ))
+GRAMMAR_MASK_PER_TOKEN = Histogram(
+    "sparkgate:grammar_mask_time_per_output_token_seconds",
+    "Per constrained request: engine time computing and applying grammar masks / completion tokens, seconds.",
+    ("constraint",),
+    buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25))
+
 # -- tenancy ----------------------------------------------------------------------------
 SLA_REQUESTS = Counter("sparkgate:sla_requests_total",
                        "Finished requests with a tier target, by whether their decode tok/s met it.",
@@ -145,6 +173,10 @@ class MetricsObserver:
 
     def request_ended(self, o: RequestOutcome) -> None:
         labels = (TENANTS(o.ctx.tenant), TIERS(o.ctx.tier))
+        if o.ctx.constraint is not None:
+            CONSTRAINED_REQUESTS.labels(o.ctx.constraint, *labels).inc()
+            if o.mask_ms_per_token is not None:
+                GRAMMAR_MASK_PER_TOKEN.labels(o.ctx.constraint).observe(o.mask_ms_per_token / 1000.0)
         if o.ctx.admission_wait_s is not None:
             ADMISSION_WAIT.labels(labels[1]).observe(o.ctx.admission_wait_s)
         if o.status == FINISHED:
@@ -190,6 +222,10 @@ class MetricsObserver:
         SPEC_ACCEPTED_TOKENS.inc(s.accepted)
         for pos, n in enumerate(s.accepted_per_position):
             SPEC_ACCEPTED_PER_POS.labels(str(pos)).inc(n)
+        kind = o.ctx.constraint or NONE
+        SPEC_DRAFTS_BY.labels(kind).inc(s.rounds - s.gated_rounds)
+        SPEC_DRAFT_TOKENS_BY.labels(kind).inc(s.drafted)
+        SPEC_ACCEPTED_TOKENS_BY.labels(kind).inc(s.accepted)
         if s.rounds:
             SPEC_VERIFIED_PER_ROUND.labels(tier).observe(s.verified / s.rounds)
 

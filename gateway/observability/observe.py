@@ -59,8 +59,8 @@ class RequestContext:
     """Who asked for what (fixed when the request is submitted to the backend).
 
     Attributes:
-        request_id: the response id (``chatcmpl-…`` / ``cmpl-…``).
-        endpoint: ``"chat"`` or ``"completions"``.
+        request_id: the response id (``chatcmpl-…`` / ``cmpl-…`` / ``resp_…``).
+        endpoint: ``"chat"``, ``"completions"`` or ``"responses"``.
         tenant, user: tenant name; the OpenAI ``user`` field or the key's user label.
         key_id: DB id of the API key (``None`` for the admin token).
         tier: SLA tier name, when tiers are configured.
@@ -71,6 +71,10 @@ class RequestContext:
         received_wall: ``time.time()`` when the gateway submitted it (seconds).
         choices: ``n``, the independent choices it asked for (each an engine request of up
             to ``max_tokens``; :mod:`gateway.openai.choices` reports them as one outcome).
+        constraint: what its output was constrained to: ``"json_object"`` or
+            ``"json_schema"`` (chat ``response_format``), ``"tools"`` (chat ``tools`` with a
+            ``tool_choice`` other than ``"none"``), ``None`` for free text
+            (:func:`gateway.openai.translate.constraint_kind`).
     """
 
     request_id: str
@@ -90,6 +94,7 @@ class RequestContext:
     received_wall: float = field(default_factory=time.time)
     received_mono: float = field(default_factory=time.monotonic)
     choices: int = 1
+    constraint: str | None = None
 
 
 @dataclass
@@ -108,6 +113,8 @@ class RequestOutcome:
         token_times: ``time.monotonic()`` (seconds) at which each ``TextDelta`` carrying
             ≥ 1 token reached the gateway (for TTFT/inter-token latency metrics).
         ended_mono: ``time.monotonic()`` when the gateway saw the end.
+        grammar_mask_s: seconds the engine spent on the request's grammar masks
+            (``Finished.grammar_mask_s``; ``None``: free text, or not measured).
     """
 
     ctx: RequestContext
@@ -121,6 +128,7 @@ class RequestOutcome:
     spec: SpecStats | None = None
     token_times: list[float] = field(default_factory=list)
     ended_mono: float = field(default_factory=time.monotonic)
+    grammar_mask_s: float | None = None
 
     @property
     def served(self) -> bool:
@@ -156,6 +164,14 @@ class RequestOutcome:
     def e2e_s(self) -> float:
         return self.ended_mono - self.ctx.received_mono
 
+    @property
+    def mask_ms_per_token(self) -> float | None:
+        """Mean grammar-mask time per generated token, milliseconds: ``grammar_mask_s`` · 1000 /
+        completion tokens; ``None`` without a measured mask time or without a token."""
+        if self.grammar_mask_s is None or self.completion_tokens <= 0:
+            return None
+        return 1000.0 * self.grammar_mask_s / self.completion_tokens
+
 
 class RequestObserver(Protocol):
     def request_ended(self, outcome: RequestOutcome) -> None:
@@ -189,6 +205,7 @@ async def observed(
                         outcome.error_message = f"finish_reason {event.finish_reason.value!r}"
                 outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
                 outcome.timings, outcome.spec = event.timings, event.spec
+                outcome.grammar_mask_s = event.grammar_mask_s
             elif isinstance(event, Failed):
                 outcome.status, outcome.error_code, outcome.error_message = FAILED, event.code, event.message
                 outcome.completion_tokens = event.completion_tokens

@@ -14,6 +14,17 @@ Database down: rows stay in the buffer (retried with backoff up to 5 s) until it
 drains. On shutdown (:meth:`RecordWriter.stop`, from the app lifespan) the buffer is
 flushed, bounded by a timeout.
 
+Exactly once, even when a replica dies: :meth:`RecordWriter.request_started` buffers a
+``running`` row as soon as a request is admitted (written with the next flush); the final row
+replaces it when the request ends (in the buffer, in place, if the ``running`` row is not
+written yet; else in the database, :func:`gateway.crud.records.insert_records`). Each row carries the writer's ``replica`` id. Every
+``sweep_interval_s`` :meth:`RecordWriter.sweep` asks ``replica_alive`` (the live-state key in
+Redis, :mod:`gateway.observability.live`) about every other replica with ``running`` rows
+and marks those of dead ones ``incomplete`` (``replica_lost``); at start it also marks its own
+replica id's leftovers (a restarted process with a fixed ``SPARKGATE_REPLICA_ID``). A row
+swept by mistake (its replica only lost Redis for a while) still gets its final values.
+A request that a SIGKILL ends within one flush interval of its admission leaves no row.
+
 A row the database refuses for its data (:func:`is_row_error`: e.g. a lone surrogate or
 NUL that got past the edge checks, an over-long value) must not block the others: the
 failed batch is bisected until each bad row is alone, every good row is written, and each
@@ -104,7 +115,19 @@ def record_row(o: RequestOutcome) -> dict:
         "accepted_per_position": list(spec.accepted_per_position) if spec else None,
         "sla_target_tokens_per_s": target,
         "sla_met": None if target is None or tps is None or o.status != FINISHED else tps >= target,
+        "constraint": ctx.constraint,
+        "mask_ms_per_token": o.mask_ms_per_token,
     }
+
+
+def _one_per_id(rows: list[dict]) -> list[dict]:
+    """Copies of ``rows``, one per id: a request's end row wins over its ``running`` row (both
+    can meet in one batch after a failed write)."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["id"] not in out or r["status"] != crud_records.RUNNING:
+            out[r["id"]] = dict(r)
+    return list(out.values())
 
 
 class RecordWriter:
@@ -126,6 +149,8 @@ class RecordWriter:
         rollup_interval_s: float = 10.0,
         retention_days: float | None = 7.0,
         rollup_retention_days: float | None = 90.0,
+        replica_id: str | None = None,
+        sweep_interval_s: float = 5.0,
     ):
         self.sessionmaker = sessionmaker
         self.max_buffer = max_buffer
@@ -141,6 +166,12 @@ class RecordWriter:
         self._lock = asyncio.Lock()
         self._last_rollup = self._last_prune = -math.inf  # both run on the first step, then periodically
         self.written = self.dropped = self.rejected = self.write_errors = 0
+        self.replica_id = replica_id
+        self.sweep_interval_s = sweep_interval_s
+        self.replica_alive = None  # async (replica id) → bool; None: only this replica's leftovers are swept
+        self.swept = 0  # running rows of dead replicas marked incomplete by this replica
+        self._last_sweep = -math.inf
+        self._starts: dict[str, dict] = {}  # request id → its running row, still buffered
         self.last_error: str | None = None
 
     @classmethod
@@ -155,15 +186,32 @@ class RecordWriter:
         return len(self._buffer)
 
     # ------------------------------------------------------------ observer side
+    def request_started(self, ctx) -> None:  # noqa: ANN001 — observe.RequestContext
+        """Enqueue a ``running`` row for an admitted request (never blocks, never raises)."""
+        if len(self._buffer) >= self.max_buffer:
+            return
+        row = record_row(RequestOutcome(ctx, crud_records.RUNNING, prompt_tokens=ctx.prompt_tokens,
+                                        ended_mono=ctx.received_mono))
+        row["replica"] = self.replica_id
+        self._starts[row["id"]] = row
+        self._buffer.append(row)
+
     def request_ended(self, outcome: RequestOutcome) -> None:
         """Enqueue the outcome's row and return (never blocks, never raises)."""
+        start = self._starts.pop(outcome.ctx.request_id, None)
+        if start is not None:  # its running row is still buffered (not being written): replace it in place
+            start.clear()
+            start.update(record_row(outcome), replica=self.replica_id)
+            return
         if len(self._buffer) >= self.max_buffer:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("request-record buffer full (%d rows, database: %s); %d records dropped so far",
                           self.max_buffer, self.last_error or "slow", self.dropped)
             return
-        self._buffer.append(record_row(outcome))
+        row = record_row(outcome)
+        row["replica"] = self.replica_id
+        self._buffer.append(row)
         if len(self._buffer) >= self.batch_size:
             self._wake.set()
 
@@ -176,9 +224,13 @@ class RecordWriter:
         On a row error (:func:`is_row_error`) bisect: write the good rows, reject the bad
         ones. Any other error propagates; the rows not yet written stay buffered (a row
         written twice is skipped by id, so a retry never double counts)."""
+        for r in rows:  # being written: an end row can no longer replace these in place
+            if r["status"] == crud_records.RUNNING:
+                self._starts.pop(r["id"], None)
+        live = _one_per_id(rows)
         try:
             async with self.sessionmaker() as session:
-                await crud_records.insert_records(session, rows)
+                await crud_records.insert_records(session, live)
         except Exception as exc:
             if not is_row_error(exc):
                 raise
@@ -191,8 +243,9 @@ class RecordWriter:
             return
         for _ in rows:  # only this task removes rows, so the first len(rows) are these
             self._buffer.popleft()
-        self.written += len(rows)
-        self._dirty.update((crud_records.minute_of(r["finished_at"]), r["tenant"]) for r in rows)
+        ended = [r for r in live if r["status"] != crud_records.RUNNING]
+        self.written += len(ended)
+        self._dirty.update((crud_records.minute_of(r["finished_at"]), r["tenant"]) for r in ended)
 
     def _reject(self, row: dict, exc: Exception) -> None:
         self.rejected += 1
@@ -230,11 +283,51 @@ class RecordWriter:
             if rollups and self._dirty:
                 await self._rollup()
 
+    async def sweep(self) -> int:
+        """Mark the ``running`` rows of dead replicas ``incomplete`` (module docstring);
+        returns how many. Without ``replica_alive``, or when it fails, only this replica's
+        own leftovers from before :meth:`start` are swept (at start)."""
+        self._last_sweep = time.monotonic()
+        async with self.sessionmaker() as session:
+            replicas = await crud_records.running_replicas(session)
+        dead = []
+        for r in replicas:
+            if r == self.replica_id:
+                continue
+            if self.replica_alive is not None:
+                try:
+                    if not await self.replica_alive(r):
+                        dead.append(r)
+                except Exception as exc:  # noqa: BLE001 — cannot tell: sweep nothing now
+                    log.warning("record sweep: cannot tell whether replica %s is alive: %r", r, exc)
+                    return 0
+        if not dead:
+            return 0
+        async with self.sessionmaker() as session:
+            n = await crud_records.mark_incomplete(session, dead, datetime.now(timezone.utc))
+        if n:
+            self.swept += n
+            log.warning("marked %d running request records of dead replica(s) %s incomplete", n, ", ".join(dead))
+        return n
+
+    async def _sweep_own_leftovers(self) -> None:
+        if self.replica_id is None:
+            return
+        async with self.sessionmaker() as session:
+            n = await crud_records.mark_incomplete(session, [self.replica_id], datetime.now(timezone.utc))
+        if n:
+            log.warning("marked %d running request records of this replica's previous run incomplete", n)
+
     async def _step(self) -> None:
         async with self._lock:
+            if self._last_sweep == -math.inf:
+                await self._sweep_own_leftovers()
+                self._last_sweep = 0.0
             while self._buffer:
                 await self._write_batch()
             now = time.monotonic()
+            if now - self._last_sweep >= self.sweep_interval_s:
+                await self.sweep()
             if self._dirty and now - self._last_rollup >= self.rollup_interval_s:
                 await self._rollup()
             if now - self._last_prune >= PRUNE_EVERY_S:

@@ -51,6 +51,8 @@ class _Record:
     completion_tokens: int
     decode_tokens_per_s: float | None
     tenant: str | None
+    user: str | None = None
+    sla_met: bool | None = None  # None: no SLA target or no decode speed
 
 
 class RollingStats:
@@ -66,14 +68,17 @@ class RollingStats:
     def request_ended(self, outcome) -> None:
         """:class:`gateway.observability.observe.RequestObserver` hook: record finished requests."""
         if outcome.status == "finished":
-            self._append(outcome.completion_tokens, outcome.decode_tokens_per_s, outcome.ctx.tenant)
+            tps, target = outcome.decode_tokens_per_s, getattr(outcome.ctx, "sla_target_tokens_per_s", None)
+            met = None if tps is None or target is None else tps >= target
+            self._append(outcome.completion_tokens, tps, outcome.ctx.tenant, getattr(outcome.ctx, "user", None), met)
 
     def record(self, finished: Finished, tenant: str | None = None) -> None:
         self._append(finished.completion_tokens, finished.decode_tokens_per_s, tenant)
 
-    def _append(self, completion_tokens: int, tokens_per_s: float | None, tenant: str | None) -> None:
+    def _append(self, completion_tokens: int, tokens_per_s: float | None, tenant: str | None,
+                user: str | None = None, sla_met: bool | None = None) -> None:
         now = self._clock()
-        self._records.append(_Record(now, completion_tokens, tokens_per_s, tenant))
+        self._records.append(_Record(now, completion_tokens, tokens_per_s, tenant, user, sla_met))
         while self._records and self._records[0].t_end < now - self.horizon_s:
             self._records.popleft()
 
@@ -92,3 +97,27 @@ class RollingStats:
             user_tokens_per_s=user_tokens_per_s(r.decode_tokens_per_s for r in recs),
             aggregate_tokens_per_s=aggregate_tokens_per_s(tokens, wall),
         )
+
+    def per_user(self, window_s: float, max_rates: int = 256) -> list[dict]:
+        """Per (tenant, user) over the last ``window_s`` seconds: ``requests``,
+        ``completion_tokens``, ``decode_rates`` (the latest ``max_rates`` per-request decode
+        tok/s, so several replicas' medians can be merged exactly), ``sla_graded`` and
+        ``sla_met`` (finished requests with an SLA target and a decode speed / meeting it)."""
+        now = self._clock()
+        out: dict[tuple, dict] = {}
+        for r in self._records:
+            if r.t_end < now - window_s:
+                continue
+            u = out.setdefault((r.tenant or "", r.user or ""), {
+                "tenant": r.tenant or "", "user": r.user or None, "requests": 0, "completion_tokens": 0,
+                "decode_rates": [], "sla_graded": 0, "sla_met": 0})
+            u["requests"] += 1
+            u["completion_tokens"] += r.completion_tokens
+            if r.decode_tokens_per_s is not None:
+                u["decode_rates"].append(round(r.decode_tokens_per_s, 3))
+            if r.sla_met is not None:
+                u["sla_graded"] += 1
+                u["sla_met"] += r.sla_met
+        for u in out.values():
+            u["decode_rates"] = u["decode_rates"][-max_rates:]
+        return list(out.values())

@@ -109,6 +109,11 @@ def merge_finished(finishes: Sequence[Finished]) -> Finished:
                     _merge_spec([f.spec for f in finishes]), None if None in cached else min(cached))
 
 
+def _sum_known(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 _PRECEDENCE = (REJECTED, FAILED, CANCELLED, FINISHED)  # the merged status: the first any choice has
 
 
@@ -116,8 +121,8 @@ def merge_outcomes(ctx: RequestContext, outcomes: Sequence[RequestOutcome]) -> R
     """The API request's outcome from its choices': the status of :data:`_PRECEDENCE` that
     any has (one rejected choice: the client got a 503/400, nothing was served), completion
     tokens summed, prompt tokens once, timings spanning all, token times merged, speculative
-    stats summed; ``finish_reason`` ``length`` if any choice was cut, else ``stop``; the error
-    of the first choice with the merged status."""
+    stats summed, grammar-mask times summed; ``finish_reason`` ``length`` if any choice was cut,
+    else ``stop``; the error of the first choice with the merged status."""
     status = next(s for s in _PRECEDENCE if any(o.status == s for o in outcomes))
     first = next(o for o in outcomes if o.status == status)
     merged = RequestOutcome(
@@ -125,6 +130,7 @@ def merge_outcomes(ctx: RequestContext, outcomes: Sequence[RequestOutcome]) -> R
         completion_tokens=sum(o.completion_tokens for o in outcomes),
         timings=_merge_timings([o.timings for o in outcomes]), spec=_merge_spec([o.spec for o in outcomes]),
         token_times=sorted(t for o in outcomes for t in o.token_times), ended_mono=max(o.ended_mono for o in outcomes),
+        grammar_mask_s=_sum_known([o.grammar_mask_s for o in outcomes]),
     )
     if status == FINISHED:
         merged.finish_reason = "length" if any(o.finish_reason == "length" for o in outcomes) else "stop"

@@ -165,7 +165,19 @@ class ChatCompletionRequest(BaseCompletionRequest):
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
+    # OpenAI output features this server does not have: accepted only when neutral (translate)
+    modalities: Any = None  # ["text"] only
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
     response_format: ResponseFormat | None = None
+    # vLLM's structured outputs (gateway.openai.translate.vllm_format): JSON constraints served,
+    # the others refused by name
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # needs logprobs: true
 

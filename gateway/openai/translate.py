@@ -6,6 +6,8 @@ Everything here is pure (no I/O) and raises :class:`gateway.core.errors.APIError
 
 from __future__ import annotations
 
+import json
+
 from typing import Iterable
 
 from gateway.core.errors import invalid_request, model_not_found, unsupported
@@ -39,7 +41,9 @@ def resolve_model(requested: str, info: BackendInfo, aliases: Iterable[str] = ()
 def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
     """400 naming the first OpenAI parameter we do not implement (never silently ignored).
 
-    Neutral values are accepted: ``functions: []``, ``function_call: "none"``. (``response_format``:
+    Neutral values are accepted: ``functions: []``, ``function_call: "none"``,
+    ``modalities: ["text"]``; ``audio``, ``prediction`` and ``web_search_options`` (output
+    features this server lacks) only when absent or null. (``response_format``:
     :func:`response_format`; ``tools``: :mod:`gateway.openai.tools`; the sampling fields:
     :func:`check_sampling`.) ``top_logprobs`` without ``logprobs: true`` is a 400 (as OpenAI
     answers it).
@@ -48,6 +52,12 @@ def reject_unsupported_chat(body: ChatCompletionRequest) -> None:
         raise unsupported("functions", "The deprecated 'functions' are not supported; use 'tools'.")
     if body.function_call not in (None, "none"):
         raise unsupported("function_call", "The deprecated 'function_call' is not supported; use 'tool_choice'.")
+    vllm_format(body)  # vLLM's structured-output fields: only the JSON ones
+    if body.modalities not in (None, ["text"]):
+        raise unsupported("modalities", "Only text output is supported: 'modalities' may only be [\"text\"].")
+    for name in ("audio", "prediction", "web_search_options"):  # would change the output: refused, not ignored
+        if getattr(body, name) is not None:
+            raise unsupported(name)
     if body.top_logprobs is not None and body.logprobs is not True:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs", "invalid_value")
 
@@ -95,14 +105,76 @@ def check_sampling(body: BaseCompletionRequest, info: BackendInfo) -> None:
                               "min_tokens", "invalid_value")
 
 
+#: vLLM's structured-output constraints (``structured_outputs`` keys) this server does not serve.
+VLLM_UNSERVED = ("regex", "choice", "grammar", "structural_tag")
+
+
+def vllm_format(body: ChatCompletionRequest) -> ResponseFormat | None:
+    """vLLM's structured outputs as a :class:`ResponseFormat` (vLLM ``StructuredOutputsParams``,
+    ``vllm/sampling_params.py``; older releases' ``guided_json``): ``structured_outputs.json``
+    (a schema, or its JSON text) or ``guided_json`` → ``json_schema``;
+    ``structured_outputs.json_object: true`` → ``json_object``; ``None`` when none is set.
+
+    Raises:
+        APIError: 400 ``unsupported_parameter`` naming a constraint that is not served
+            (``structured_outputs.regex`` / ``.choice`` / ``.grammar`` / ``.structural_tag``,
+            ``guided_regex`` / ``guided_choice`` / ``guided_grammar``); 400 ``invalid_value``
+            for JSON text that does not parse or two constraints at once (with each other or
+            with ``response_format``).
+    """
+    so = body.structured_outputs or {}
+    for key in VLLM_UNSERVED:
+        if so.get(key) is not None:
+            raise unsupported(f"structured_outputs.{key}", "Only JSON constraints are served: use "
+                              "'structured_outputs.json' or 'response_format'.")
+    for name in ("guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, "Only JSON constraints are served: use 'guided_json' or 'response_format'.")
+    found = []
+    for param, value in (("structured_outputs.json", so.get("json")), ("guided_json", body.guided_json)):
+        if value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise invalid_request(f"'{param}' is not valid JSON.", param, "invalid_value") from None
+        found.append((param, ResponseFormat("json_schema", value, True)))
+    if so.get("json_object"):
+        found.append(("structured_outputs.json_object", ResponseFormat("json_object")))
+    rf = body.response_format
+    if found and (len(found) > 1 or (rf is not None and rf.type != "text")):
+        raise invalid_request("Give one output constraint: 'response_format', 'structured_outputs' or 'guided_json'.",
+                              found[-1][0], "invalid_value")
+    return found[0][1] if found else None
+
+
+def vllm_format_field(body: BaseCompletionRequest) -> str | None:
+    """Which vLLM field carries the request's JSON constraint (``structured_outputs.json``,
+    ``structured_outputs.json_object`` or ``guided_json``; where a refusal of its schema points),
+    ``None`` when none does."""
+    so = getattr(body, "structured_outputs", None) or {}
+    if so.get("json") is not None:
+        return "structured_outputs.json"
+    if getattr(body, "guided_json", None) is not None:
+        return "guided_json"
+    return "structured_outputs.json_object" if so.get("json_object") else None
+
+
 def response_format(body: BaseCompletionRequest, info: BackendInfo) -> ResponseFormat | None:
     """The runtime :class:`ResponseFormat` of a chat request (``None``: free text).
 
     ``json_object`` → any JSON object; ``json_schema`` → an instance of its ``schema`` (any
-    JSON object when it has none), ``strict`` passed along. The schema's keywords are
-    checked by the backend (400 naming an unsupported one, at submission).
+    JSON object when it has none), ``strict`` passed along; vLLM's JSON constraints the same
+    (:func:`vllm_format`). The schema's keywords are checked by the backend (400 naming an
+    unsupported one, at submission).
     400 ``unsupported_parameter`` when the backend cannot constrain its output.
     """
+    vllm = vllm_format(body) if isinstance(body, ChatCompletionRequest) else None
+    if vllm is not None:
+        if not info.supports_response_format:
+            raise unsupported("structured_outputs", "This backend does not support JSON output constraints.")
+        return vllm
     rf = getattr(body, "response_format", None)
     if rf is None or rf.type == "text":
         return None
@@ -114,6 +186,27 @@ def response_format(body: BaseCompletionRequest, info: BackendInfo) -> ResponseF
     if spec.schema_ is None:
         return ResponseFormat("json_object")
     return ResponseFormat("json_schema", spec.schema_, bool(spec.strict))
+
+
+#: What a request's output can be constrained to (``RequestContext.constraint``, the request
+#: record's ``constraint`` and the ``constraint`` label of the metrics).
+CONSTRAINTS = ("json_object", "json_schema", "tools")
+
+
+def constraint_kind(body: BaseCompletionRequest) -> str | None:
+    """What the chat request asks its output to be, as the request was written (also for one
+    about to be refused): ``"tools"`` when it has tools and ``tool_choice`` is not ``"none"``
+    (:func:`gateway.openai.tools.tool_plan`'s rule), else ``"json_object"`` or
+    ``"json_schema"`` for a JSON ``response_format`` (a ``json_schema`` without ``schema`` stays
+    ``"json_schema"``, though it is served as JSON mode), else ``None`` (free text; legacy
+    completions always)."""
+    if getattr(body, "tools", None) and getattr(body, "tool_choice", None) != "none":
+        return "tools"
+    vllm = vllm_format_field(body)
+    if vllm is not None:
+        return "json_object" if vllm.endswith("json_object") else "json_schema"
+    rf = getattr(body, "response_format", None)
+    return rf.type if rf is not None and rf.type in CONSTRAINTS else None
 
 
 def requested_logprobs(body: BaseCompletionRequest, info: BackendInfo) -> int | None:
@@ -137,7 +230,7 @@ def _message_text(msg: ChatMessage, i: int) -> str:
         if msg.role == "assistant" and not msg.function_call:
             return ""
         raise invalid_request(f"messages[{i}].content is required for role '{msg.role}'.",
-                              f"messages[{i}].content")
+                              f"messages[{i}].content", "missing_required_parameter")
     if isinstance(msg.content, str):
         return msg.content
     texts = []

@@ -19,8 +19,13 @@
    ``min_tokens_per_s``. After ``max_queue_wait_s`` it gets 429
    (``concurrency_limit_exceeded`` / ``sla_capacity_exceeded``).
 
-Everything here is per replica (buckets are shared only with Redis; queues and
-concurrency counts never are). Requests refused here still reach every observer once
+With ``SPARKGATE_REDIS_URL`` the rpm/tpm buckets and ``max_concurrent`` hold over all
+replicas: the buckets live in Redis, and before its local queue a request of a capped tier
+takes a lease in Redis (:mod:`gateway.tenancy.concurrency`; it waits for one up to
+``max_queue_wait_s``, re-trying every ``sample_s``, not in priority order across replicas).
+If Redis fails both fall back to per-replica state with a logged warning, never an error.
+The priority queue and the SLA check stay per replica. Budgets (``api_keys.tokens_used``)
+are in the database, shared by all replicas. Requests refused here still reach every observer once
 (status ``rejected``, or ``cancelled`` if the client left while queued).
 """
 
@@ -44,6 +49,7 @@ from gateway.crud import tiers as crud_tiers
 from gateway.core.errors import APIError, overloaded
 from gateway.openai.generation import ClientDisconnected, unless_disconnected
 from gateway.observability.observe import CANCELLED, REJECTED, RequestContext, RequestOutcome, notify
+from gateway.tenancy.concurrency import LeaseStore
 from gateway.tenancy.ratelimit import REQUESTS, TOKENS, Grant, Limit, RateLimiter, RedisBucketStore
 from runtime.speculation.sps import SpsTable
 from runtime.interface import Backend
@@ -271,6 +277,7 @@ class Ticket:
     batch_size: int = 0
     wait_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    lease: bool = False  # holds a concurrency lease in Redis (released with the ticket)
 
 
 @dataclass
@@ -293,7 +300,7 @@ class AdmissionController:
 
     def __init__(self, backend: Backend, sessionmaker, *, default_tier: str = "default", ttl_s: float = 5.0,
                  limiter: RateLimiter | None = None, sla_admission: bool = True, prior_step_s: float = 0.02,
-                 sample_s: float = 0.1):
+                 sample_s: float = 0.1, leases: LeaseStore | None = None, lease_refresh_s: float = 1.0):
         self.backend = backend
         self.policies = PolicyCache(sessionmaker, default_tier, ttl_s)
         self.limiter = limiter or RateLimiter()
@@ -307,13 +314,20 @@ class AdmissionController:
         self._seq = itertools.count()
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
+        self.leases = leases
+        self.lease_refresh_s = lease_refresh_s
+        self.lease_errors = 0  # Redis failures of the lease store (per-replica count used instead)
+        self.lease_waiting: Counter = Counter()  # tenant → requests waiting for a Redis lease
+        self._last_refresh = 0.0
 
     @classmethod
     def from_settings(cls, backend: Backend, sessionmaker, settings) -> AdmissionController:
-        store = RedisBucketStore(settings.redis_url) if settings.redis_url else None
+        prefix = settings.redis_prefix
+        store = RedisBucketStore(settings.redis_url, prefix + "rl:") if settings.redis_url else None
+        leases = LeaseStore(store.client, prefix) if store is not None else None
         return cls(backend, sessionmaker, default_tier=settings.default_tier, ttl_s=settings.auth_cache_ttl_s,
                    limiter=RateLimiter(store), sla_admission=settings.sla_admission,
-                   prior_step_s=settings.admission_step_s)
+                   prior_step_s=settings.admission_step_s, leases=leases)
 
     # ---------------------------------------------------------------- lifecycle
     async def _sampler(self) -> None:
@@ -323,8 +337,60 @@ class AdmissionController:
                 self.model.sample()
                 if self._waiters:
                     self._pump()
+                if self.leases is not None and time.monotonic() - self._last_refresh >= self.lease_refresh_s:
+                    self._last_refresh = time.monotonic()
+                    await self._refresh_leases()
             except Exception:  # noqa: BLE001
                 log.exception("admission sampler failed")
+
+    async def _refresh_leases(self) -> None:
+        held: dict[str, list[str]] = {}
+        for t in list(self.active.values()):
+            if t.lease:
+                held.setdefault(t.tenant, []).append(t.request_id)
+        if held:
+            try:
+                await self.leases.refresh(held)
+            except Exception as exc:  # noqa: BLE001 — Redis down: the leases lapse, local counts still hold
+                self._lease_failed(exc)
+
+    def _lease_failed(self, exc: BaseException) -> None:
+        self.lease_errors += 1
+        if self.lease_errors == 1 or self.lease_errors % 1000 == 0:
+            log.warning("concurrency lease store failed (%d times); max_concurrent holds per replica only: %r",
+                        self.lease_errors, exc)
+
+    async def _take_lease(self, request: Request, ticket: Ticket, t0: float) -> None:
+        """Wait for a tenant slot in Redis (module docstring); on a Redis error go on
+        without one (per-replica count only).
+
+        Raises:
+            APIError: 429 ``concurrency_limit_exceeded`` after ``max_queue_wait_s``."""
+        tier = ticket.tier
+        deadline = t0 + tier.max_queue_wait_s
+
+        async def wait() -> bool:
+            while True:
+                try:
+                    if await self.leases.take(ticket.tenant, ticket.request_id, tier.max_concurrent):
+                        ticket.lease = True
+                        return True
+                except Exception as exc:  # noqa: BLE001
+                    self._lease_failed(exc)
+                    return True  # fall back to the per-replica count in _queue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                await asyncio.sleep(min(left, self.sample_s))
+
+        self.lease_waiting[ticket.tenant] += 1
+        try:
+            got = await unless_disconnected(request, wait)
+        finally:
+            self.lease_waiting[ticket.tenant] -= 1
+        if not got:
+            w = _Waiter(tier.priority, 0, ticket.tenant, tier, ticket, None, blocked="concurrency")  # type: ignore[arg-type]
+            raise self._timeout_error(w, time.monotonic() - t0)
 
     def start(self) -> None:
         if self._task is None:
@@ -361,6 +427,7 @@ class AdmissionController:
         """
         t0 = time.monotonic()
         grant: Grant | None = None
+        ticket: Ticket | None = None
         try:
             if principal.is_admin:
                 policy = Policy(TierPolicy(), None)
@@ -376,8 +443,12 @@ class AdmissionController:
             reserve = ctx.prompt_tokens + ctx.max_tokens * ctx.choices  # n choices: the prompt once, n completions
             grant = await self.limiter.acquire(self._limits(principal.tenant, policy), reserve)
             ticket = Ticket(ctx.request_id, principal.tenant, principal.key_id, tier, grant, headers=grant.headers())
+            if self.leases is not None and tier.max_concurrent is not None and not principal.is_admin:
+                await self._take_lease(request, ticket, t0)
             await self._queue(request, ticket, t0)  # registered in self.active when granted
         except BaseException as exc:
+            if ticket is not None and ticket.lease and ticket.request_id not in self.active:
+                self._drop_lease(ticket)
             if grant is not None:  # never reached the engine: the request and its tokens go back
                 await grant.settle(0, served=False)
             if isinstance(exc, (APIError, ClientDisconnected)):
@@ -483,6 +554,8 @@ class AdmissionController:
         if ticket is None:
             return
         self.tenant_active[ticket.tenant] -= 1
+        if ticket.lease:
+            self._drop_lease(ticket)
         ran = outcome is not None and outcome.status != REJECTED  # rpm: the engine ran it
         used = 0 if outcome is None else outcome.billed_tokens  # tpm and budget: what was served
         self.policies.note_usage(ticket.key_id, used)
@@ -497,6 +570,20 @@ class AdmissionController:
                      ticket.tier.name, ticket.batch_size, ticket.predicted_tokens_per_s or float("nan"),
                      "-" if measured is None else f"{measured:.2f}", outcome.status)
         self._pump()
+
+    def _drop_lease(self, ticket: Ticket) -> None:
+        """Give the ticket's Redis lease back (in the background; if Redis is down it lapses)."""
+        ticket.lease = False
+
+        async def drop() -> None:
+            try:
+                await self.leases.release(ticket.tenant, ticket.request_id)
+            except Exception as exc:  # noqa: BLE001
+                self._lease_failed(exc)
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def request_ended(self, outcome: RequestOutcome) -> None:
         """Observer hook."""

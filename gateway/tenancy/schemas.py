@@ -132,6 +132,9 @@ class RecordOut(_Out):
     accepted_per_position: list[int] | None
     sla_target_tokens_per_s: float | None
     sla_met: bool | None
+    constraint: str | None
+    mask_ms_per_token: float | None
+    replica: str | None = None  # the gateway process that served it (Settings.replica_id)
 
 
 class RecordPage(BaseModel):

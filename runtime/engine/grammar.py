@@ -187,6 +187,50 @@ def to_prefix_items(schema: Any) -> Any:
     return out
 
 
+def check_format(fmt: ResponseFormat, max_schema_bytes: int = MAX_SCHEMA_BYTES) -> None:
+    """The cheap checks of a response format, before anything is compiled (type, size,
+    keywords): a format that passes is served exactly (or refused by the compiler itself).
+    Used by :class:`GrammarCache` and by the SGLang backend before it sends one.
+
+    Raises:
+        GrammarError: as :func:`check_schema` (for tool calls with ``tool`` = the index of
+            the tool whose parameters fail it); ``schema_too_large`` over
+            ``max_schema_bytes`` (for tool calls: all tools' parameters together);
+            ``invalid_schema`` for an unknown type, or a tool-calls format without tools or
+            with an unknown ``tool_choice``, or with a reply format other than JSON or beside a
+            choice other than ``auto`` (``in_reply``; as are the reply schema's own faults).
+    """
+    if fmt.type not in ("json_object", "json_schema", "tool_calls"):
+        raise GrammarError(f"Unknown response format type {fmt.type!r}.", None, "invalid_schema")
+    size = len(canonical(fmt).encode("utf-8", "surrogatepass"))
+    if size > max_schema_bytes:
+        what = "The tools' parameter schemas are" if fmt.type == "tool_calls" else "The schema is"
+        raise GrammarError(f"{what} {size} bytes; the limit is {max_schema_bytes}.", None, "schema_too_large")
+    if fmt.type == "json_schema":
+        check_schema(fmt.schema)
+    elif fmt.type == "tool_calls":
+        if not fmt.tools or fmt.tool_choice not in ("auto", "required"):
+            raise GrammarError(f"A tool-calls format needs tools and tool_choice 'auto' or 'required', got "
+                               f"{len(fmt.tools)} tools and {fmt.tool_choice!r}.", None, "invalid_schema")
+        for i, tool in enumerate(fmt.tools):
+            if tool.parameters is not None:
+                try:
+                    check_schema(tool.parameters)
+                except GrammarError as exc:
+                    exc.tool = i
+                    raise
+        if fmt.reply is not None:
+            if fmt.tool_choice != "auto" or fmt.reply.type not in ("json_object", "json_schema"):
+                raise GrammarError(f"A tool-calls format takes a '{fmt.reply.type}' reply format only with "
+                                   "tool_choice 'auto' and a JSON reply.", None, "invalid_schema", in_reply=True)
+            if fmt.reply.type == "json_schema":
+                try:
+                    check_schema(fmt.reply.schema)
+                except GrammarError as exc:
+                    exc.in_reply = True
+                    raise
+
+
 def canonical(fmt: ResponseFormat) -> str:
     """The format's identity: compact JSON with sorted keys, prefixed by type and strictness
     (for tool calls: the tools' names and parameters in order, the choice and parallelism, and
@@ -289,46 +333,13 @@ class GrammarCache:
                 self._cached_bytes -= old.memory_size_bytes if not isinstance(old, GrammarError) else 256
 
     def precheck(self, fmt: ResponseFormat) -> str:
-        """The cheap checks (type, size, keywords) in the caller's thread; returns the cache key.
+        """The cheap checks (:func:`check_format`, within ``max_schema_bytes``) in the caller's
+        thread; returns the cache key.
 
         Raises:
-            GrammarError: as :func:`check_schema` (for tool calls with ``tool`` = the index of
-                the tool whose parameters fail it); ``schema_too_large`` over
-                ``max_schema_bytes`` (for tool calls: all tools' parameters together);
-                ``invalid_schema`` for a tool-calls format without tools or with an unknown
-                ``tool_choice``, or with a reply format other than JSON or beside a choice
-                other than ``auto`` (``in_reply``; as are the reply schema's own faults).
+            GrammarError: as :func:`check_format`.
         """
-        if fmt.type not in ("json_object", "json_schema", "tool_calls"):
-            raise GrammarError(f"Unknown response format type {fmt.type!r}.", None, "invalid_schema")
-        size = len(canonical(fmt).encode("utf-8", "surrogatepass"))
-        if size > self.max_schema_bytes:
-            what = "The tools' parameter schemas are" if fmt.type == "tool_calls" else "The schema is"
-            raise GrammarError(f"{what} {size} bytes; the limit is {self.max_schema_bytes}.", None,
-                               "schema_too_large")
-        if fmt.type == "json_schema":
-            check_schema(fmt.schema)
-        elif fmt.type == "tool_calls":
-            if not fmt.tools or fmt.tool_choice not in ("auto", "required"):
-                raise GrammarError(f"A tool-calls format needs tools and tool_choice 'auto' or 'required', got "
-                                   f"{len(fmt.tools)} tools and {fmt.tool_choice!r}.", None, "invalid_schema")
-            for i, tool in enumerate(fmt.tools):
-                if tool.parameters is not None:
-                    try:
-                        check_schema(tool.parameters)
-                    except GrammarError as exc:
-                        exc.tool = i
-                        raise
-            if fmt.reply is not None:
-                if fmt.tool_choice != "auto" or fmt.reply.type not in ("json_object", "json_schema"):
-                    raise GrammarError(f"A tool-calls format takes a '{fmt.reply.type}' reply format only with "
-                                       "tool_choice 'auto' and a JSON reply.", None, "invalid_schema", in_reply=True)
-                if fmt.reply.type == "json_schema":
-                    try:
-                        check_schema(fmt.reply.schema)
-                    except GrammarError as exc:
-                        exc.in_reply = True
-                        raise
+        check_format(fmt, self.max_schema_bytes)
         return schema_hash(fmt)
 
     def _build(self, key: str, fmt: ResponseFormat, limit_s: float | None = None):

@@ -17,7 +17,8 @@ forward: the raw target logits of the row that produced each emitted token
 Constrained requests (``GenerationRequest.response_format``) carry a grammar matcher
 (:mod:`runtime.engine.grammar`): each step their rows' logits are masked (−inf outside the
 grammar) before sampling and verification, the same way in both (drafts verified against
-the masked target), and the matcher advances over the tokens emitted.
+the masked target), and the matcher advances over the tokens emitted. The time spent filling
+and applying those masks is summed per request (``Finished.grammar_mask_s``).
 
 Requests with penalties, ``logit_bias`` or ``min_tokens`` carry their logits processors
 (:mod:`runtime.engine.logits_processors`): after the grammar mask, their rows are processed
@@ -297,19 +298,30 @@ class LLMEngine:
         sequence is constrained (logprobs keep reading the raw ones)."""
         if all(s.grammar is None for s in seqs):
             return logits
+        t0 = time.perf_counter()
         bitmask = new_bitmask(logits.shape[0], logits.shape[-1])
+        shared = time.perf_counter() - t0  # the allocation and the apply: shared by row count
         rows: list[int] = []
+        masked: list[tuple[SequenceState, int]] = []
         row = 0
         for i, seq in enumerate(seqs):
             n = 1 + (len(drafts[i]) if drafts is not None else 0)
             if seq.grammar is not None:
+                t = time.perf_counter()
                 if drafts is None:
                     seq.grammar.fill(bitmask, row)
                 else:
                     seq.grammar.fill_verification(drafts[i], bitmask, row)
+                seq.mask_s += time.perf_counter() - t
                 rows.extend(range(row, row + n))
+                masked.append((seq, n))
             row += n
-        return mask_logits(logits, bitmask, rows)
+        t = time.perf_counter()
+        out = mask_logits(logits, bitmask, rows)
+        shared += time.perf_counter() - t
+        for seq, n in masked:
+            seq.mask_s += shared * n / len(rows)
+        return out
 
     def _processed(self, logits: torch.Tensor, seqs: list[SequenceState], drafts: list[list[int]] | None) -> torch.Tensor:
         """:meth:`_masked`, then each sequence's logits processors on its rows (row k of a
@@ -443,7 +455,7 @@ class LLMEngine:
         seq.timings.finished = time.monotonic()
         spec = seq.spec if self.config.spec_method != "none" else None
         self.emit(seq.request_id, Finished(reason, seq.num_prompt, seq.num_completion, seq.timings, spec,
-                                           seq.num_prompt_cached))
+                                           seq.num_prompt_cached, seq.mask_s if seq.grammar is not None else None))
 
     def _fail(self, seq: SequenceState, message: str, code: str) -> None:
         if seq.status is SeqStatus.FINISHED:

@@ -36,6 +36,8 @@ class SequenceState:
             ``response_format``), ``None`` for free text.
         processors: its :class:`runtime.engine.logits_processors.RequestProcessors`
             (penalties, ``logit_bias``, ``min_tokens``), ``None`` when it uses none.
+        mask_s: seconds spent computing and applying its grammar masks so far
+            (``time.perf_counter``; ``LLMEngine._masked``), 0 without a grammar.
     """
 
     request: GenerationRequest
@@ -55,6 +57,7 @@ class SequenceState:
     spec: SpecStats = field(default_factory=SpecStats)
     grammar: object | None = None
     processors: object | None = None
+    mask_s: float = 0.0
 
     @property
     def request_id(self) -> str:

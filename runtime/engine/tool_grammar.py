@@ -17,7 +17,12 @@ tool, its name fixed in the tag's opening text, so a call can only name a known 
   either that JSON or calls as for ``required`` (xgrammar ``or``).
 
 The structural tag is a plain JSON document (xgrammar's ``StructuralTag`` schema), built
-here without importing xgrammar; :class:`~runtime.engine.grammar.GrammarCache` compiles it.
+here without importing xgrammar; :class:`~runtime.engine.grammar.GrammarCache` compiles it
+with each tool's arguments as an EBNF grammar it compiled itself, and the SGLang backend
+(:mod:`runtime.sglang.client`) sends it as ``sampling_params.structural_tag`` with each tool's
+arguments as a ``json_schema`` content (:func:`json_schema_contents`), which SGLang's xgrammar
+backend compiles (SGLang 0.5.23 ``srt/constrained/xgrammar_backend.py``
+``dispatch_structural_tag``: a non-legacy tag is compiled as given).
 """
 
 from __future__ import annotations
@@ -49,24 +54,42 @@ def parameters(tool: ToolSchema) -> dict:
     return NO_PARAMETERS if tool.parameters is None else tool.parameters
 
 
-def structural_tag(fmt: ResponseFormat, arguments: Sequence[str], reply: str | None = None) -> dict:
+def json_schema_contents(fmt: ResponseFormat) -> list[dict]:
+    """Per tool of ``fmt.tools``: its arguments as a structural-tag ``json_schema`` content
+    (``{"type": "json_schema", "json_schema": <its parameters>}``), for :func:`structural_tag`."""
+    return [{"type": "json_schema", "json_schema": parameters(t)} for t in fmt.tools]
+
+
+def reply_content(fmt: ResponseFormat) -> dict | None:
+    """``fmt.reply`` as a structural-tag ``json_schema`` content (``json_object``: any object),
+    for :func:`structural_tag`; ``None`` without a reply format."""
+    if fmt.reply is None:
+        return None
+    schema = fmt.reply.schema if fmt.reply.type == "json_schema" and fmt.reply.schema is not None else {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def structural_tag(fmt: ResponseFormat, arguments: Sequence[str | dict], reply: str | dict | None = None) -> dict:
     """xgrammar's structural tag (as JSON) of a ``"tool_calls"`` format (module docstring).
 
     Args:
         fmt: ``type == "tool_calls"``, ≥ 1 tool, ``tool_choice`` ``"auto"`` or ``"required"``.
-        arguments: per tool of ``fmt.tools``, the EBNF grammar (root rule ``root``) of the
-            JSON instances of its :func:`parameters`.
-        reply: ``auto`` only: the EBNF grammar of the reply when it is not a call (the
-            request's JSON ``response_format``): the reply is then either that JSON or one or
-            more calls, never text around a call. ``None`` → free text with calls.
+        arguments: per tool of ``fmt.tools``, what its arguments are: the EBNF grammar (a
+            string, root rule ``root``) of the JSON instances of its :func:`parameters`, or a
+            structural-tag content format (a dict, :func:`json_schema_contents`).
+        reply: ``auto`` only: the reply when it is not a call (the request's JSON
+            ``response_format``), as an EBNF grammar or a content format (:func:`reply_content`):
+            the reply is then either that JSON or one or more calls, never text around a call.
+            ``None`` → free text with calls.
 
     Raises:
         ValueError: no tools, a grammar count other than the tools', or an unknown ``tool_choice``.
     """
     if not fmt.tools or len(arguments) != len(fmt.tools):
         raise ValueError(f"{len(fmt.tools)} tools and {len(arguments)} argument grammars")
-    tags = [{"type": "tag", "begin": call_opening(t.name), "content": {"type": "grammar", "grammar": ebnf},
-             "end": CALL_CLOSING} for t, ebnf in zip(fmt.tools, arguments)]
+    tags = [{"type": "tag", "begin": call_opening(t.name),
+             "content": {"type": "grammar", "grammar": arg} if isinstance(arg, str) else arg,
+             "end": CALL_CLOSING} for t, arg in zip(fmt.tools, arguments)]
     once = not fmt.parallel_tool_calls
     if fmt.tool_choice == "required":
         body = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,
@@ -74,7 +97,8 @@ def structural_tag(fmt: ResponseFormat, arguments: Sequence[str], reply: str | N
     elif fmt.tool_choice == "auto" and reply is not None:
         calls = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR, "at_least_one": True,
                  "stop_after_first": once}
-        body = {"type": "or", "elements": [{"type": "grammar", "grammar": reply}, calls]}
+        answer = {"type": "grammar", "grammar": reply} if isinstance(reply, str) else reply
+        body = {"type": "or", "elements": [answer, calls]}
     elif fmt.tool_choice == "auto":
         body = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN], "tags": tags, "stop_after_first": once}
     else:

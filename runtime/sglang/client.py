@@ -21,14 +21,38 @@ Request (:func:`build_generate_payload`)
 SGLang rejects 0), ``max_new_tokens`` (``None`` → ``max_context − len(prompt)``, because
 SGLang's default is 128), ``stop``, ``ignore_eos``, when set ``presence_penalty``,
 ``frequency_penalty``, ``repetition_penalty``, ``min_p``, ``min_new_tokens`` (= ``min_tokens``),
-``logit_bias`` and ``stop_token_ids``, ``sampling_seed`` (= ``seed``;
+``logit_bias`` and ``stop_token_ids``, the request's constraint (below), ``sampling_seed`` (= ``seed``;
 SGLang honours it only when the server runs with ``--enable-deterministic-inference``,
 ``srt/sampling/sampling_batch_info.py``) and, when the tenant's tier has an SLA target,
 ``custom_params`` = ``{"sparkgate_sla_target_tokens_per_s": target,
 "sparkgate_sla_max_weight": cap}`` (read by :mod:`runtime.sglang.plugin.sla_hook`
 inside SGLang). ``priority`` (larger = more important, negated with
 ``priority_low_values_first``) is sent only with ``send_priority`` — the server must run
-with ``--enable-priority-scheduling``.
+with ``--enable-priority-scheduling``. With ``sla_in_custom_labels`` the same two SLA values
+also go in the top-level ``custom_labels`` (strings, ``repr`` of the floats): sglang-router
+0.3.2 rebuilds ``/generate`` bodies from its own types and drops ``sampling_params.custom_params``
+but keeps ``custom_labels``; the plugin moves them back into ``custom_params`` inside SGLang
+(:mod:`runtime.sglang.plugin.sla_hook` patch point 3; docs/deploy-gpu.md "sglang-router").
+
+Constraints (``GenerationRequest.response_format``, :func:`constraint_params`) map to the
+fields SGLang's own OpenAI adapter fills (``srt/entrypoints/openai/serving_chat.py``
+``_build_sampling_params``), which its grammar backend compiles (xgrammar by default):
+``json_object`` → ``json_schema = '{"type": "object"}'``; ``json_schema`` → ``json_schema`` = the
+schema as JSON text; ``tool_calls`` → ``structural_tag`` = the same structural tag the embedded
+engine compiles (:func:`runtime.engine.tool_grammar.structural_tag`: Hermes-style
+``<tool_call>`` tags, one per tool, ``triggered_tags`` for ``auto``, ``tags_with_separator`` for
+``required``; with a JSON reply format, ``auto`` is that format or calls), each tool's arguments
+(and the reply) a ``json_schema`` content, draft-07 tuples rewritten as 2020-12's
+(:func:`runtime.engine.grammar.to_prefix_items`). Before anything is sent the format
+passes the embedded engine's checks (:func:`runtime.engine.grammar.check_format`: unsupported
+keywords, size), so both backends refuse the same schemas with the same 400. A grammar SGLang
+cannot compile ends the request with an ``abort`` of status 400 before any text
+(``Invalid grammar request``, ``grammar_manager.py``): raised as
+:class:`~runtime.interface.GrammarError` ``invalid_schema`` (a 400 too). The reply comes back
+as text and is parsed by the gateway as for the embedded engine (tool calls:
+:mod:`gateway.openai.tool_parser`). Whitespace inside the JSON follows SGLang's server
+setting (the embedded engine writes compact JSON). SGLang does not report mask times
+(``Finished.grammar_mask_s`` stays ``None``).
 
 Stream (``srt/entrypoints/http_server.py`` ``serve_generate_request``;
 ``srt/managers/tokenizer_manager.py`` ``_handle_batch_output``)
@@ -45,7 +69,8 @@ streamed; the assembler holds back every text suffix that is a prefix of a stop 
 and cuts at the match, so the stop text is never returned (interface contract).
 
 Finish reasons: ``stop`` → STOP, ``length`` → LENGTH; ``abort`` with ``status_code``
-429/503 before any text → :class:`QueueFullError` (scheduler queue full), with another
+429/503 before any text → :class:`QueueFullError` (scheduler queue full), with 400 before any
+text for a constrained request → :class:`GrammarError` (above), with another
 ``status_code`` → ``Failed("upstream_rejected")``, without one → ``Finished(ABORT)``;
 any other type → ``Failed("upstream_protocol_error")``.
 
@@ -91,6 +116,8 @@ from typing import Any, AsyncIterator
 import httpx
 
 from runtime.engine.detokenizer import GatewayTokenization, load_tokenizer
+from runtime.engine.grammar import check_format, to_prefix_items
+from runtime.engine.tool_grammar import json_schema_contents, reply_content, structural_tag
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -98,9 +125,11 @@ from runtime.interface import (
     Finished,
     FinishReason,
     GenerationRequest,
+    GrammarError,
     LoadSnapshot,
     QueueFullError,
     RequestTimings,
+    ResponseFormat,
     SpecInfo,
     SpecStats,
 )
@@ -132,6 +161,9 @@ class SGLangConfig:
         priority_low_values_first: servers run ``--schedule-low-priority-values-first``
             (then the priority is negated so larger still means more important).
         sla_max_weight: weight cap sent with the SLA target (``sla_weight``'s ``max_weight``).
+        sla_in_custom_labels: also send the SLA target and cap in ``custom_labels`` (for
+            servers behind sglang-router, which drops ``sampling_params.custom_params``; the
+            servers must run the SLA plugin, which takes the labels out again).
         incremental_streaming_output: the servers' ``--incremental-streaming-output``;
             ``None`` → detect per stream.
         connect_timeout_s: httpx connect timeout (seconds).
@@ -155,6 +187,7 @@ class SGLangConfig:
     send_priority: bool = False
     priority_low_values_first: bool = False
     sla_max_weight: float = DEFAULT_MAX_WEIGHT
+    sla_in_custom_labels: bool = False
     incremental_streaming_output: bool | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
@@ -165,6 +198,32 @@ class SGLangConfig:
     max_in_flight_per_upstream: int | None = None
     retry_after_s: float = 1.0
     abort_timeout_s: float = 5.0
+
+
+#: SGLang's JSON mode: its OpenAI adapter sends ``response_format: json_object`` as this schema.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def constraint_params(fmt: ResponseFormat | None) -> dict[str, str]:
+    """The ``sampling_params`` field (one of ``json_schema`` / ``structural_tag``, a JSON string)
+    that constrains a reply to ``fmt`` (mapping in the module docstring); ``{}`` for free text.
+
+    Raises:
+        ValueError: an unknown format type.
+    """
+    if fmt is None:
+        return {}
+    if fmt.type == "json_object" or (fmt.type == "json_schema" and fmt.schema is None):
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if fmt.type == "json_schema":
+        return {"json_schema": json.dumps(to_prefix_items(fmt.schema), ensure_ascii=False)}
+    if fmt.type == "tool_calls":
+        contents = [{**c, "json_schema": to_prefix_items(c["json_schema"])} for c in json_schema_contents(fmt)]
+        reply = reply_content(fmt)
+        if reply is not None:
+            reply = {**reply, "json_schema": to_prefix_items(reply["json_schema"])}
+        return {"structural_tag": json.dumps(structural_tag(fmt, contents, reply), ensure_ascii=False)}
+    raise ValueError(f"unknown response format type {fmt.type!r}")
 
 
 def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> dict[str, Any]:
@@ -201,6 +260,7 @@ def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> 
         sampling["logit_bias"] = {str(t): float(b) for t, b in s.logit_bias}
     if s.stop_token_ids:
         sampling["stop_token_ids"] = [int(t) for t in s.stop_token_ids]
+    sampling.update(constraint_params(request.response_format))
     if s.seed is not None:
         sampling["sampling_seed"] = int(s.seed)
     if request.sla_target_tokens_per_s is not None:
@@ -214,6 +274,8 @@ def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> 
         "sampling_params": sampling,
         "stream": True,
     }
+    if config.sla_in_custom_labels and "custom_params" in sampling:
+        payload["custom_labels"] = {k: repr(v) for k, v in sampling["custom_params"].items()}
     if config.send_priority:
         payload["priority"] = -int(request.priority) if config.priority_low_values_first else int(request.priority)
     return payload
@@ -371,9 +433,10 @@ class SGLangBackend(GatewayTokenization):
         eos = self.config.eos_token_id
         if eos is None:
             eos = getattr(self._tokenizer, "eos_token_id", None)
-        # logprobs are not mapped from SGLang's return_logprob meta yet: the gateway answers 400
+        # logprobs are not mapped from SGLang's return_logprob meta yet: the gateway answers 400;
+        # response formats and tool calls are constrained by SGLang's grammar backend
         return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
-                           supports_logprobs=False)
+                           supports_logprobs=False, supports_response_format=True)
 
     # -- load -----------------------------------------------------------------------
     def load(self) -> LoadSnapshot:
@@ -472,10 +535,14 @@ class SGLangBackend(GatewayTokenization):
 
         Raises:
             QueueFullError: (before the first event) every upstream is busy.
+            GrammarError: (before the first event) the response format fails
+                :func:`runtime.engine.grammar.check_format`, or SGLang could not compile it.
             RuntimeError: the backend was not started.
         """
         if self._client is None:
             raise RuntimeError("SGLang backend not started")
+        if request.response_format is not None:
+            check_format(request.response_format)  # the embedded engine's refusals, before anything is sent
         timings = RequestTimings(wall_queued=time.time(), queued=time.monotonic())
         deadline = timings.queued + (request.timeout_s or self.config.request_timeout_s)
         rid = request.request_id
@@ -584,6 +651,9 @@ class SGLangBackend(GatewayTokenization):
                     message = f"SGLang {upstream.url} aborted the request: {finish.get('message')}"
                     if status in BUSY_STATUS and not yielded:
                         raise QueueFullError(message, self.config.retry_after_s)
+                    if status == 400 and not yielded and request.response_format is not None:
+                        raise GrammarError(f"SGLang could not compile the response format: {finish.get('message')}",
+                                           None, "invalid_schema")
                     if isinstance(status, int) and status >= 400:
                         yield failed(message, "upstream_rejected")
                         return

@@ -609,3 +609,98 @@ def test_users_table_fits_its_card_with_long_names_at_1280_and_1920_px(browser, 
     finally:
         ui.close()
     assert not ui.errors, ui.errors
+
+
+# ---------------------------------------------------------------- constrained requests (no model)
+MASK_MS = 3.5  # the fake's grammar-mask time per generated token
+
+
+class MaskingFake(FakeBackend):
+    """FakeBackend that takes JSON response formats and tool formats (it does not enforce them)
+    and reports ``MASK_MS`` ms of grammar masks per token for them, as the embedded engine measures."""
+
+    @property
+    def info(self):
+        import dataclasses
+
+        return dataclasses.replace(FakeBackend.info.fget(self), supports_response_format=True)
+
+    async def _run(self, req):
+        import dataclasses
+
+        from runtime.interface import Finished
+
+        inner = super()._run(req)
+        try:
+            async for event in inner:
+                if isinstance(event, Finished) and req.response_format is not None:
+                    event = dataclasses.replace(event, grammar_mask_s=MASK_MS / 1000 * event.completion_tokens)
+                yield event
+        finally:
+            await inner.aclose()
+
+
+def js_fixed(x: float, digits: int) -> str:
+    """``x`` as the UI's ``toLocaleString`` writes it: the float's exact value rounded half away from 0."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def test_requests_table_shows_the_constraint_and_overview_splits_acceptance(browser, sqlite_db):
+    """A json_schema, a tools and a free-text request of one user (speculative stats on, the
+    grammar ones shorter): the user's requests table shows each one's constraint and mask
+    time as the records hold them, the Overview's grammar / plain acceptance KPI and the
+    Acceptance page's grammar-vs-plain bars are the API's split."""
+    app = create_app(make_settings(sqlite_db, admin_token=ADMIN), MaskingFake(max_context=512))
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    tool = {"type": "function", "function": {"name": "ping"}}
+    with serve_in_thread(app) as base, httpx.Client(base_url=base, headers=A, timeout=30) as c:
+        key = c.post("/admin/v1/keys", json={"tenant": "acme", "user": "jo"}).json()["key"]
+        ids = {}
+        for kind, extra in (("json_schema", {"response_format": rf, "max_tokens": 4}),
+                            ("tools", {"tools": [tool], "max_tokens": 5}), (None, {})):
+            r = c.post("/v1/chat/completions", json=chat(return_spec_stats=True, **extra), headers=bearer(key))
+            assert r.status_code == 200, r.text
+            ids[kind] = r.json()["id"]
+        assert c.post("/admin/v1/rollups/refresh").status_code == 204
+        recs = {x["id"]: x for x in c.get("/admin/v1/requests", params={"user": "jo"}).json()["data"]}
+        (acc,) = c.get("/admin/v1/stats/acceptance", params={"group_by": "model"}).json()["data"]
+        ui = UI(browser, SimpleNamespace(base_url=base, admin_token=ADMIN))
+        try:
+            ui.login()
+            page = ui.page
+            page.wait_for_selector("h1:text('Overview')")
+            g, p = acc["constrained"], acc["plain"]
+            assert g["rounds"] and p["rounds"] and g["acceptance_rate"] != p["acceptance_rate"]  # not vacuous
+            want = f"{js_fixed(100 * g['acceptance_rate'], 1)} % / {js_fixed(100 * p['acceptance_rate'], 1)} %"
+            page.wait_for_function(f"() => document.querySelector('[data-kpi=acceptance-split] .kpi-value')"
+                                   f".textContent === {json.dumps(want)}")
+            sub = page.locator("[data-kpi=acceptance-split] .kpi-sub").text_content()
+            assert sub.startswith(f"τ {js_fixed(g['tau'], 2)} / {js_fixed(p['tau'], 2)} · {g['rounds']} grammar, "
+                                  f"{p['rounds']} plain")
+            # live state over all replicas (GET /admin/v1/live): one process, no Redis
+            live = c.get("/admin/v1/live").json()
+            page.wait_for_function("() => document.querySelector('[data-kpi=replicas] .kpi-value').textContent === '1'")
+            sub = page.locator("[data-kpi=replicas] .kpi-sub").text_content()
+            assert len(live["replicas"]) == 1 and live["sla"]["attainment"] is None
+            assert sub == f"0 running · 0 waiting · no SLA requests (last {live['window_s']:g} s) · single process"
+            ui.open("user?tenant=acme&user=jo")
+            page.wait_for_selector("table.requests tbody tr")
+            for kind, rid in ids.items():
+                cell = page.locator(f"table.requests tr[data-request='{rid}'] [data-col=constraint]").text_content()
+                rec = recs[rid]
+                assert rec["constraint"] == kind
+                if kind is not None:
+                    assert rec["mask_ms_per_token"] == pytest.approx(MASK_MS)
+                    assert cell == f"{kind} · {MASK_MS:.2f} ms/token"
+                else:  # free text: no constraint, no mask time
+                    assert rec["mask_ms_per_token"] is None and cell == "—"
+            ui.open("acceptance?window=24h&group_by=model")
+            page.wait_for_selector("[data-chart-name=grammar-vs-plain][data-state=data]")
+            bars = ui.chart("grammar-vs-plain")
+            assert [s["points"] for s in bars["series"]] == [
+                [[acc["model"], 100 * g["acceptance_rate"]]], [[acc["model"], 100 * p["acceptance_rate"]]]]
+        finally:
+            ui.close()
+        assert not ui.errors, ui.errors

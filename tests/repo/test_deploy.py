@@ -6,10 +6,12 @@ The Prometheus test scrapes two targets:
 * ``sparkgate`` — the live gateway (real model, ``live_server``; it decodes
   autoregressively, so it exports no speculative-decoding data), with the admin token;
 * ``sparkgate-spec`` — a second gateway over a FakeBackend that reports speculation
-  stats, whose tenants are in SLA tiers with targets (one met, one missed) and one of
-  whose keys is rate-limited. A ``metric_relabel_configs`` keep-rule takes ONLY the
-  ``spec_decode_*``, ``sps``, ``sla_requests_total`` and ``rate_limited_requests_total``
-  series from it, so every other panel can only be fed by the live gateway.
+  stats (and takes JSON response formats, which it does not enforce), whose tenants are in
+  SLA tiers with targets (one met, one missed) and one of whose keys is rate-limited. A
+  ``metric_relabel_configs`` keep-rule takes ONLY the ``spec_decode_*``, ``sps``,
+  ``sla_requests_total`` and ``rate_limited_requests_total`` series from it, so every other
+  panel can only be fed by the live gateway (the grammar-mask panel: its real engine's
+  measured mask times of a ``json_object`` request each round).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def speculating_gateway():
     SPS table); its database is set up by the ``spec_gateway`` fixture. Its rate-limit
     buckets never refill (a frozen clock): the 1-rpm key must stay limited however long a
     loaded machine takes over the test's rounds (over a minute would refill it)."""
+    import dataclasses
+
     from gateway.main import create_app
     from gateway.tenancy.ratelimit import RateLimiter
     from runtime.speculation.sps import SpsTable
@@ -94,6 +98,10 @@ def speculating_gateway():
     from tests.support.fakes import FakeBackend
 
     class SpeculatingFake(FakeBackend):
+        @property
+        def info(self):
+            return dataclasses.replace(FakeBackend.info.fget(self), supports_response_format=True)
+
         def generate(self, request):
             request.return_spec_stats = True  # the fake reports SpecStats only when asked
             return super().generate(request)
@@ -109,7 +117,8 @@ def speculating_gateway():
 
 async def tiers_and_keys(db_url: str) -> list[str]:
     """Tier ``gold`` (1 tok/s: met) for ``spec-fast``, ``platinum`` (10⁶ tok/s: missed) for
-    ``spec-slow``, and a 1-request-per-minute key for ``spec-limited``; returns the keys."""
+    ``spec-slow``, a key of ``spec-json`` (no target) and a 1-request-per-minute key for
+    ``spec-limited``; returns the keys."""
     from gateway.crud import tenants, tiers
     from gateway.crud.keys import issue_key
     from gateway.db.session import make_engine, make_sessionmaker
@@ -124,7 +133,7 @@ async def tiers_and_keys(db_url: str) -> list[str]:
     finally:
         await engine.dispose()
     return [await issue_key(db_url, "spec-fast", "u"), await issue_key(db_url, "spec-slow", "u"),
-            await issue_key(db_url, "spec-limited", "u", rpm_limit=1)]
+            await issue_key(db_url, "spec-json", "u"), await issue_key(db_url, "spec-limited", "u", rpm_limit=1)]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +145,7 @@ def spec_gateway(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spec-gw")
     db_url = f"sqlite+aiosqlite:///{tmp}/spec.db"
     upgrade(db_url)
-    *keys, limited = asyncio.run(tiers_and_keys(db_url))
+    *keys, json_key, limited = asyncio.run(tiers_and_keys(db_url))
     admin, port = "admin-" + os.urandom(8).hex(), free_port()
     env = {**os.environ, "SPARKGATE_DATABASE_URL": db_url, "SPARKGATE_ADMIN_TOKEN": admin, "PYTHONPATH": str(ROOT)}
     env.pop("SPARKGATE_METRICS_PORT", None)
@@ -147,7 +156,8 @@ def spec_gateway(tmp_path_factory):
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc)
-        yield {"url": f"http://127.0.0.1:{port}", "keys": keys, "limited": limited, "admin": admin, "statuses": {}}
+        yield {"url": f"http://127.0.0.1:{port}", "keys": keys, "json": json_key, "limited": limited, "admin": admin,
+               "statuses": {}}
     finally:
         stop(proc)
 
@@ -212,7 +222,8 @@ def prometheus(live_server, spec_gateway, tmp_path_factory):
 
 def drive(live, spec) -> tuple[int, int]:
     """One round of traffic. Returns the live gateway's completion tokens (from usage) and
-    the number of spec-gateway requests that ran."""
+    the number of spec-gateway requests that ran. One request to each gateway is constrained
+    (``json_object``)."""
     tokens, spec_ran = 0, 0
     for stream in (False, True):
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
@@ -228,6 +239,15 @@ def drive(live, spec) -> tuple[int, int]:
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
             spec["statuses"].setdefault(key, []).append(r.status_code)
             spec_ran += r.status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe the sea as JSON."}],
+            "max_tokens": 6, "temperature": 0, "response_format": {"type": "json_object"}}
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=live.headers(), timeout=300)
+    assert r.status_code == 200, r.text
+    tokens += r.json()["usage"]["completion_tokens"]
+    r = httpx.post(spec["url"] + "/v1/chat/completions", json={**body, "max_tokens": 7}, timeout=30,
+                   headers={"Authorization": f"Bearer {spec['json']}"})
+    assert r.status_code == 200, r.text
+    spec_ran += 1
     r = httpx.post(live.base_url + "/v1/chat/completions", headers=live.headers(), timeout=30,
                    json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
@@ -268,6 +288,14 @@ def test_every_dashboard_query_returns_data_from_prometheus(live_server, spec_ga
            for r in prom.query('sum by (tier, result) (sparkgate:sla_requests_total{job="sparkgate-spec"})')}
     # (the shared live server may carry SLA series of tiers other tests created)
     assert sla == {"gold/met": 4.0, "platinum/missed": 4.0}
+    # constrained requests: the live engine measured its masks, the spec target split its acceptance
+    assert prom.scalar('sum(sparkgate:constrained_requests_total{job="sparkgate", constraint="json_object"})') >= 2
+    assert prom.scalar('sum(sparkgate:grammar_mask_time_per_output_token_seconds_count{job="sparkgate"})') >= 2
+    assert prom.scalar('sum(sparkgate:grammar_mask_time_per_output_token_seconds_sum{job="sparkgate"})') > 0
+    by = 'sum(sparkgate:spec_decode_num_draft_tokens_by_constraint_total{{job="sparkgate-spec", constraint="{}"}})'
+    assert prom.scalar(by.format("json_object")) == 2 * 12  # FakeBackend: 12 drafts for 7 tokens
+    assert prom.scalar(by.format("none")) == 9 * 12  # the plain requests that ran: 2 keys × 2 × 2 rounds + 1
+    assert prom.query('{job="sparkgate-spec", __name__="sparkgate:constrained_requests_total"}') == []
 
     def panels_without_data() -> list[str]:
         failures = []
@@ -325,18 +353,23 @@ def test_dashboard_is_provisionable_and_queries_only_exported_metrics():
     # the panels the operators asked for
     for needed in ("per tenant and tier", "Time to first token", "Inter-token latency", "SLA attainment",
                    "accepted length", "Acceptance rate", "Acceptance by position",
-                   "Verification budget vs running", "Queue depth", "Errors by code"):
+                   "Verification budget vs running", "Queue depth", "Errors by code",
+                   "Grammar mask time per output token", "grammar vs plain", "Constrained requests"):
         assert any(needed in title for title in titles), needed
 
 
 def test_compose_mounts_match_provisioning_and_scrape_target():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
-    assert {"gateway", "postgres", "prometheus", "grafana", "sglang"} <= set(services)
-    assert services["sglang"]["profiles"] == ["gpu"] and services["sglang"]["image"].startswith("lmsysorg/sglang")
-    assert services["sglang"]["command"][:3] == ["python3", "-m", "runtime.sglang.launch"]
+    assert {"gateway", "postgres", "prometheus", "grafana", "sglang-router", "sglang-0", "sglang-1"} <= set(services)
+    for worker in ("sglang-0", "sglang-1"):
+        assert services[worker]["profiles"] == ["gpu"] and services[worker]["image"].startswith("lmsysorg/sglang")
+        assert services[worker]["command"][:3] == ["python3", "-m", "runtime.sglang.launch"]
+    assert services["sglang-router"]["profiles"] == ["gpu"]
+    assert services["sglang-router"]["image"] == services["gateway"]["image"]  # built with the scaleout extra
+    assert services["sglang-router"]["command"][:3] == ["python", "-m", "sglang_router.launch_router"]
     gateway_env = services["gateway"]["environment"]
-    assert gateway_env["SPARKGATE_SGLANG_URLS"] == "http://sglang:30000"
+    assert gateway_env["SPARKGATE_SGLANG_URLS"] == "http://sglang-router:30000"
     assert any(v.endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])
     grafana = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
     assert (ROOT / grafana["/etc/grafana/provisioning"]).resolve() == PROVISIONING
@@ -361,23 +394,39 @@ def compose_interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", sub, str(value))
 
 
-def test_compose_gateway_env_matches_the_sglang_service(monkeypatch):
+def test_compose_gateway_env_matches_the_sglang_services(monkeypatch):
     """Under ``SPARKGATE_BACKEND=sglang docker compose --profile gpu up``, the gateway's env,
-    read by the real ``Settings``, gives an ``SGLangConfig`` that fits the sglang service's
-    launch command: its URL and port, the served model's tokenizer (same ./models mount),
-    priorities sent iff the server schedules by them (``--priority`` →
-    ``--enable-priority-scheduling``, SGLang 0.5.23 ``srt/arg_groups/fields/schedule.py``),
-    in the order it expects, and no longer a context than the server's."""
+    read by the real ``Settings``, gives an ``SGLangConfig`` that fits the router and the two
+    workers: the gateway's one upstream is the router (probed at ``/readiness``: its ``/health``
+    is liveness only), the router's command, parsed by the pinned sglang-router's own
+    argument parser, lists both workers at their launch port; each worker serves the model
+    whose tokenizer the gateway reads (same ./models mount), on its own GPU; priorities are
+    sent iff the workers schedule by them (``--priority`` → ``--enable-priority-scheduling``,
+    SGLang 0.5.23 ``srt/arg_groups/fields/schedule.py``), in the order they expect; the SLA
+    target also travels in ``custom_labels`` (the router drops ``custom_params``); and no
+    longer a context than the workers'."""
+    from sglang_router.launch_router import parse_router_args
+
     from gateway.core.config import Settings
     from runtime.sglang.launch import build_launch_command, build_parser
 
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    gateway, sglang = services["gateway"], services["sglang"]
-    args, passthrough = build_parser().parse_known_args(sglang["command"][3:])
-    args.passthrough = passthrough
-    launch = build_launch_command(args)
-    server_flags = {flag.split("=", 1)[0]: flag.split("=", 1)[1] if "=" in flag else None
-                    for flag in passthrough}
+    gateway, router = services["gateway"], services["sglang-router"]
+    workers = {name: services[name] for name in ("sglang-0", "sglang-1")}
+    launches = []
+    for name, worker in workers.items():
+        args, passthrough = build_parser().parse_known_args(worker["command"][3:])
+        args.passthrough = passthrough
+        launches.append((name, args, build_launch_command(args),
+                         {flag.split("=", 1)[0]: flag.split("=", 1)[1] if "=" in flag else None
+                          for flag in passthrough}))
+    assert workers["sglang-0"]["command"] == workers["sglang-1"]["command"]
+    gpus = [w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for w in workers.values()]
+    assert gpus == [["0"], ["1"]]  # one GPU each, not both on the first
+    rargs = parse_router_args(router["command"][3:])
+    assert rargs.worker_urls == [f"http://{name}:{args.port}" for name, args, _, _ in launches]
+    assert (rargs.policy, rargs.health_check_endpoint) == ("round_robin", "/health")
+    assert not rargs.pd_disaggregation and not rargs.mini_lb
 
     for name in [k for k in os.environ if k.startswith("SPARKGATE_")]:
         monkeypatch.delenv(name)  # only the compose file's values count
@@ -387,28 +436,33 @@ def test_compose_gateway_env_matches_the_sglang_service(monkeypatch):
     assert settings.backend == "sglang"
     cfg = settings.backend_config()
 
-    assert cfg.urls == (f"http://sglang:{args.port}",)
-    assert args.model_path == cfg.tokenizer_path == "/models/target"
-    assert "./models:/models:ro" in gateway["volumes"] and "./models:/models:ro" in sglang["volumes"]
-    assert "--enable-priority-scheduling" in launch  # the service runs --priority ...
+    assert cfg.urls == (f"http://sglang-router:{rargs.port}",) and cfg.health_path == "/readiness"
+    assert cfg.sla_in_custom_labels is True
+    for _, args, launch, server_flags in launches:
+        assert args.model_path == cfg.tokenizer_path == "/models/target"
+        assert "--enable-priority-scheduling" in launch  # the workers run --priority ...
+        assert "--schedule-low-priority-values-first" not in launch
+        assert cfg.max_context <= int(server_flags["--context-length"])
+    assert "./models:/models:ro" in gateway["volumes"]
+    assert all("./models:/models:ro" in w["volumes"] for w in workers.values())
     assert cfg.send_priority is True  # ... so the gateway sends the tiers' priorities
     # both keep SGLang's default order (larger priority first), matching the tiers' meaning
-    assert "--schedule-low-priority-values-first" not in launch and cfg.priority_low_values_first is False
-    assert cfg.max_context <= int(server_flags["--context-length"])
+    assert cfg.priority_low_values_first is False
     # without SPARKGATE_BACKEND the same file still runs the embedded engine
     monkeypatch.setenv("SPARKGATE_BACKEND", compose_interpolate(gateway["environment"]["SPARKGATE_BACKEND"], {}))
     assert Settings(_env_file=None).backend == "embedded"
 
 
 def test_deploy_gpu_doc_quotes_the_compose_file():
-    """docs/deploy-gpu.md's YAML excerpt is the compose file's: the whole sglang service and
-    the gateway's SGLang settings and model mount, value for value."""
+    """docs/deploy-gpu.md's YAML excerpt is the compose file's: the router and both workers
+    whole, and the gateway's SGLang settings and model mount, value for value."""
     blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "deploy-gpu.md").read_text(), re.S)
     assert len(blocks) == 1
     excerpt = yaml.safe_load(blocks[0])["services"]
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    assert set(excerpt) == {"gateway", "sglang"}
-    assert excerpt["sglang"] == services["sglang"]
+    assert set(excerpt) == {"gateway", "sglang-router", "sglang-0", "sglang-1"}
+    for name in ("sglang-router", "sglang-0", "sglang-1"):
+        assert excerpt[name] == services[name], name
     assert set(excerpt["gateway"]) == {"environment", "volumes"}
     env = services["gateway"]["environment"]
     assert {k: env.get(k) for k in excerpt["gateway"]["environment"]} == excerpt["gateway"]["environment"]

@@ -59,6 +59,7 @@ class FakeBackend:
     start_error: Exception | None = None
     gate: asyncio.Event | None = None  # set: generations start only once the test sets it (holding their slot)
     vocab_size: int | None = 1000  # BackendInfo.vocab_size: logit_bias / stop_token_ids ids must be below it
+    supports_response_format: bool = False  # True: JSON formats reach it (recorded, not enforced)
 
     requests: list[GenerationRequest] = field(default_factory=list)
     templated: list[list[dict]] = field(default_factory=list)  # messages given to apply_chat_template
@@ -74,7 +75,7 @@ class FakeBackend:
     @property
     def info(self) -> BackendInfo:
         return BackendInfo(model_name=self.model_name, max_context=self.max_context, eos_token_id=0,
-                           vocab_size=self.vocab_size)
+                           vocab_size=self.vocab_size, supports_response_format=self.supports_response_format)
 
     def ready(self) -> bool:
         return self._ready

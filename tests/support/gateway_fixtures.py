@@ -49,6 +49,20 @@ def parse_sse(body: str) -> list:
     return events
 
 
+def parse_response_sse(body: str) -> list[dict]:
+    """Split a Responses API SSE body into its events; each must be exactly ``event: <type>``
+    and ``data: <json>`` whose ``type`` is that name (no ``[DONE]``)."""
+    assert body.endswith("\n\n"), f"SSE body must end with a blank line: {body[-40:]!r}"
+    events = []
+    for block in body[:-2].split("\n\n"):
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), f"bad SSE event {block!r}"
+        event = json.loads(data[len("data: "):])
+        assert event["type"] == head[len("event: "):], block
+        events.append(event)
+    return events
+
+
 def chat(content: str = "Say hello", **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 

@@ -26,8 +26,22 @@ source (file paths below are inside the ``sglang-0.5.23`` wheel):
 * ``POST /abort_request`` ``{"rid"}`` → 200; the request ends with an ``abort`` finish.
 * ``GET /health``, ``GET /health_generate`` → 200, or 503 when marked unhealthy.
 * ``GET /server_info`` → a few resolved server args (``speculative_algorithm``, …).
+* ``GET /model_info`` → ``model_path``, ``served_model_name``, ``tokenizer_path``, … (read by
+  sglang-router when it registers a worker, ``tests/scaleout/``).
 * ``GET /v1/loads`` (``srt/entrypoints/v1_loads.py``; there is no ``/get_load`` in
   0.5.23) → ``{"timestamp", "version", "accelerator", "num_accelerators", "loads": [...]}``.
+
+Constrained decoding (``sampling_params.json_schema`` / ``regex`` / ``ebnf`` /
+``structural_tag``, JSON strings; ``srt/sampling/sampling_params.py`` ``verify``: at most one of
+the first three, else 400 ``Only one of regex, json_schema, or ebnf can be set.``): instead of
+its script the stand-in emits a reply the constraint allows — for a ``json_schema`` an
+instance of the schema (:func:`schema_instance`, the keywords the tests use), for a
+``structural_tag`` (xgrammar's format: ``triggered_tags`` / ``tags_with_separator`` of
+``tag`` s with ``json_schema`` content) one call of its first tag — split into tokens of a few
+characters. A constraint it cannot satisfy (a JSON type that does not exist, a keyword it does
+not model) ends the request as SGLang's grammar manager does when xgrammar refuses it: an
+``abort`` of ``status_code`` 400, ``Invalid grammar request …``, before any token. Every
+constraint received is recorded (``constraints``: ``(field, parsed JSON)``).
 
 Knobs (attributes of :class:`SGLangStandin`) make it refuse (HTTP status), abort for a
 full queue, emit an error chunk, a malformed chunk, or drop the stream. It records
@@ -248,6 +262,90 @@ def validate_chunk(chunk: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# Constrained replies
+# ---------------------------------------------------------------------------------------
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # mutually exclusive (SamplingParams.verify)
+FORMATS = {"date": "2026-01-02", "date-time": "2026-01-02T03:04:05Z", "email": "a@b.co",
+           "uuid": "12345678-1234-5678-1234-567812345678"}
+
+
+class InvalidGrammar(ValueError):
+    """A constraint the stand-in cannot satisfy (SGLang: xgrammar refuses to compile it)."""
+
+
+def schema_instance(schema: Any) -> Any:
+    """A JSON value that validates against ``schema``: ``const``, the first ``enum`` value, the
+    first ``anyOf``/``oneOf`` branch; objects with their ``required`` properties; a tuple's
+    ``prefixItems``; arrays of ``max(minItems, 1)`` items (at most ``maxItems``); strings of ``minLength`` (at least 1, at
+    most ``maxLength``) ``"a"`` s or a fixed value of a known ``format``; the least allowed
+    integer or number. Raises :class:`InvalidGrammar` for what it does not model."""
+    if schema is True or schema == {}:
+        return {}
+    if not isinstance(schema, dict):
+        raise InvalidGrammar(f"not a schema: {schema!r}")
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return schema_instance(schema[key][0])
+    kind = schema.get("type", "object")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {name: schema_instance(props.get(name, {})) for name in schema.get("required", [])}
+    if kind == "array":
+        if "prefixItems" in schema:  # a tuple: one instance per position, nothing after it
+            return [schema_instance(s) for s in schema["prefixItems"]]
+        n = max(schema.get("minItems", 0), 1)
+        n = min(n, schema.get("maxItems", n))
+        return [schema_instance(schema.get("items", {})) for _ in range(n)]
+    if kind == "string":
+        if "pattern" in schema:
+            raise InvalidGrammar("the stand-in does not generate patterns")
+        if "format" in schema:
+            return FORMATS[schema["format"]]
+        return "a" * min(max(schema.get("minLength", 0), 1), schema.get("maxLength", 1 << 30))
+    if kind in ("integer", "number"):
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -1) + 1 if "exclusiveMinimum" in schema else 0)
+        hi = schema.get("maximum")
+        value = lo if hi is None else min(lo, hi)
+        return int(value) if kind == "integer" else float(value)
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    raise InvalidGrammar(f"unknown JSON type {kind!r}")
+
+
+def constrained_text(field: str, value: Any) -> str | None:
+    """The reply the stand-in writes under the constraint ``field`` = ``value`` (parsed JSON;
+    ``None``: a constraint it does not generate for — regex, EBNF — and free text it is)."""
+    if field == "json_schema":
+        return json.dumps(schema_instance(value), ensure_ascii=False)
+    if field == "structural_tag":
+        fmt = value.get("format") if isinstance(value, dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") == "or":  # a JSON reply or calls: the reply
+            answer = fmt["elements"][0]
+            if answer.get("type") != "json_schema":
+                raise InvalidGrammar(f"unsupported 'or' element {answer.get('type')!r}")
+            return json.dumps(schema_instance(answer["json_schema"]), ensure_ascii=False)
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("triggered_tags", "tags_with_separator"):
+            raise InvalidGrammar(f"unsupported structural tag {value!r}")
+        tag = fmt["tags"][0]
+        content = tag["content"]
+        if content.get("type") != "json_schema":
+            raise InvalidGrammar(f"unsupported tag content {content.get('type')!r}")
+        return tag["begin"] + json.dumps(schema_instance(content["json_schema"]), ensure_ascii=False) + tag["end"]
+    return None
+
+
+def split_tokens(text: str, size: int = 3) -> tuple[str, ...]:
+    """``text`` as "tokens" of ``size`` characters."""
+    return tuple(text[i:i + size] for i in range(0, len(text), size))
+
+
+# ---------------------------------------------------------------------------------------
 # The stand-in server
 # ---------------------------------------------------------------------------------------
 EOS_ID = 2
@@ -282,6 +380,7 @@ class SGLangStandin:
     max_running: int = 64
 
     requests: list[dict] = field(default_factory=list)
+    constraints: list[tuple[str, Any]] = field(default_factory=list)  # (sampling field, parsed JSON) received
     aborts: list[str] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)
     chunks_sent: list[dict] = field(default_factory=list)
@@ -318,6 +417,13 @@ class SGLangStandin:
             "max_running_requests": self.max_running, "version": "0.5.23", "frontend": "python",
         })
 
+    async def model_info(self, request: Request) -> Response:
+        """A few of ``GET /model_info``'s fields (``http_server.py`` ``model_info``); sglang-router
+        reads the model path from it when it registers a worker."""
+        return JSONResponse({"model_path": "standin/model", "served_model_name": "standin/model",
+                             "tokenizer_path": "standin/model", "is_generation": True,
+                             "weight_version": "default"})
+
     async def abort_request(self, request: Request) -> Response:
         body = await request.json()
         try:
@@ -340,7 +446,17 @@ class SGLangStandin:
         if top_k is not None and top_k != -1 and top_k < 1:  # SamplingParams.verify
             return JSONResponse({"error": {"message": f"top_k must be -1 (disable) or at least 1, got {top_k}."}},
                                 status_code=400)
+        if sum(sp.get(f) is not None for f in GRAMMAR_FIELDS) > 1:  # SamplingParams.verify
+            return JSONResponse({"error": {"message": "Only one of regex, json_schema, or ebnf can be set."}},
+                                status_code=400)
         self.requests.append(body)
+        for name in (*GRAMMAR_FIELDS, "structural_tag"):
+            if sp.get(name) is not None:
+                try:
+                    parsed = json.loads(sp[name]) if name in ("json_schema", "structural_tag") else sp[name]
+                except ValueError:
+                    parsed = sp[name]  # not JSON: refused when the stream starts
+                self.constraints.append((name, parsed))
         if self.fail_status is not None:
             headers = {"retry-after": self.retry_after} if self.retry_after else None
             return JSONResponse({"error": {"message": f"stand-in refuses with {self.fail_status}"}},
@@ -359,6 +475,19 @@ class SGLangStandin:
         self.chunks_sent.append(chunk)
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
+    def _script(self, sp: dict) -> tuple[str, ...]:
+        """The tokens to emit: the constrained reply (SGLang's priority: json_schema, regex,
+        ebnf, structural_tag), else :attr:`script`. Raises :class:`InvalidGrammar`."""
+        for name in (*GRAMMAR_FIELDS, "structural_tag"):
+            if sp.get(name) is not None:
+                try:
+                    value = json.loads(sp[name]) if name in ("json_schema", "structural_tag") else sp[name]
+                except ValueError as exc:
+                    raise InvalidGrammar(str(exc)) from None
+                text = constrained_text(name, value)
+                return self.script if text is None else split_tokens(text)
+        return self.script
+
     async def _stream(self, body: dict):
         rid = body.get("rid") or "standin-rid"
         prompt = len(body.get("input_ids") or [])
@@ -375,6 +504,14 @@ class SGLangStandin:
         try:
             if self.queue_full_abort:
                 finish = {"type": "abort", "message": "The request queue is full.", "status_code": 503,
+                          "err_type": None}
+                yield self._chunk(rid, "", [], prompt, 0, finish)
+                yield b"data: [DONE]\n\n"
+                return
+            try:
+                script = self._script(sp)
+            except (InvalidGrammar, KeyError, TypeError, IndexError) as exc:  # grammar_manager: abort, 400
+                finish = {"type": "abort", "message": f"Invalid grammar request: {exc}", "status_code": 400,
                           "err_type": None}
                 yield self._chunk(rid, "", [], prompt, 0, finish)
                 yield b"data: [DONE]\n\n"
@@ -406,12 +543,12 @@ class SGLangStandin:
                 while len(step) < self.tokens_per_step and finish is None:
                     if len(ids) + len(step) >= max_new:
                         finish = {"type": "length", "length": max_new}
-                    elif pos >= len(self.script) and not sp.get("ignore_eos"):
+                    elif pos >= len(script) and not sp.get("ignore_eos"):
                         step.append(EOS_ID)
                         finish = {"type": "stop", "matched": EOS_ID}
                     else:
-                        step.append(FIRST_TOKEN_ID + pos % max(len(self.script), 1))
-                        text += self.script[pos % len(self.script)] if self.script else ""
+                        step.append(FIRST_TOKEN_ID + pos % max(len(script), 1))
+                        text += script[pos % len(script)] if script else ""
                         pos += 1
                         hits = [(text.find(s), s) for s in stops if s and text.find(s) >= 0]
                         if hits:
@@ -470,16 +607,18 @@ class SGLangStandin:
             Route("/health_generate", self.health, methods=["GET"]),
             Route("/v1/loads", self.loads, methods=["GET"]),
             Route("/server_info", self.server_info, methods=["GET"]),
+            Route("/model_info", self.model_info, methods=["GET"]),
         ])
 
 
 class StandinServer:
-    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (ephemeral port) in a
-    daemon thread. ``url`` is valid after :meth:`start`."""
+    """Serves an :class:`SGLangStandin` with uvicorn on 127.0.0.1 (``port``; 0 = ephemeral) in
+    a daemon thread. ``url`` is valid after :meth:`start`. A stopped server cannot start again:
+    serve the same stand-in on the same port with a new ``StandinServer(standin, port)``."""
 
-    def __init__(self, standin: SGLangStandin | None = None) -> None:
+    def __init__(self, standin: SGLangStandin | None = None, port: int = 0) -> None:
         self.standin = standin or SGLangStandin()
-        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=0, log_level="warning",
+        config = uvicorn.Config(self.standin.app(), host="127.0.0.1", port=port, log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

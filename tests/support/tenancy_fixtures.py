@@ -78,7 +78,7 @@ async def reset_postgres(url: str) -> None:
     engine = make_engine(url)
     try:
         async with engine.begin() as conn:
-            await conn.execute(text("TRUNCATE request_records, usage_rollups, api_keys, tenants RESTART IDENTITY CASCADE"))
+            await conn.execute(text("TRUNCATE request_records, usage_rollups, responses, api_keys, tenants RESTART IDENTITY CASCADE"))
             await conn.execute(text("DELETE FROM sla_tiers WHERE name <> 'default'"))
     finally:
         await engine.dispose()

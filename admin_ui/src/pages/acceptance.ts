@@ -65,6 +65,18 @@ export async function renderAcceptance(ctx: Ctx): Promise<HTMLElement> {
       axis: "y2" },
   ], cats);
 
+  // grammar-constrained (JSON, tools: drafts verified against the masked target) vs free text
+  const split = new ChartBox({ name: "grammar-vs-plain", title: `Acceptance rate: grammar vs plain, by ${group}`,
+    type: "bar", x: "category", yLabel: "acceptance rate %", yMax: 100,
+    description: `Bar chart per ${group}: accepted / drafted for requests with a JSON response format or tools, and for free text`,
+    empty: `No speculative rounds in this window.${none}` });
+  split.set([
+    { label: "grammar (JSON, tools)", points: groups.map((a) => [nameOf(a),
+      a.constrained.acceptance_rate === null ? null : 100 * a.constrained.acceptance_rate]) },
+    { label: "plain", points: groups.map((a) => [nameOf(a), a.plain.acceptance_rate === null ? null : 100 * a.plain.acceptance_rate]) },
+  ], cats);
+  split.setNote("Grammar: requests with response_format json_object / json_schema or tools; their drafts are verified against the grammar-masked target.");
+
   // per-request mean verification budget ℓ (drafts sent to the target per round)
   const spec = recs.data.filter((x) => x.spec_rounds && x.spec_verified !== null);
   const budgets = spec.map((x) => x.spec_verified! / x.spec_rounds!);
@@ -80,7 +92,7 @@ export async function renderAcceptance(ctx: Ctx): Promise<HTMLElement> {
   hist.set(budgets.length ? [{ label: "requests", points: labels.map((l, i) => [l, counts[i]]) }] : [], labels);
   hist.setNote(budgets.length ? `${budgets.length} speculative requests (of the newest ${fmtInt(recs.data.length)} in the window).` : "");
 
-  const charts = [pos, tau, hist];
+  const charts = [pos, tau, split, hist];
   for (const c of charts) c.setWindow(r.since, r.until);
   const sps = engine.spec.sps_table;
   if (sps && sps.buckets.length) {

@@ -1,4 +1,4 @@
-import { get, type Acceptance, type Engine, type List, type SlaRow, type TenancyStatus, type Tier, type UserSeries } from "../api";
+import { get, type Acceptance, type Engine, type List, type Live, type SlaRow, type TenancyStatus, type Tier, type UserSeries } from "../api";
 import { ChartBox } from "../charts";
 import { fmt, fmtInt, h, pct } from "../dom";
 import type { Ctx } from "../main";
@@ -18,7 +18,9 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const kTau = kpi("tau", "τ (tokens / round)", "");
   const kZero = kpi("zero-budget", "Rounds with ℓ = 0", "share of request-rounds, last 2 s");
   const kAcc = kpi("acceptance", "Acceptance rate", "accepted / drafted");
+  const kSplit = kpi("acceptance-split", "Acceptance: grammar / plain", "JSON and tool requests / free text");
   const kSla = kpi("sla", "SLA attainment", "requests meeting their tier's tok/s");
+  const kReplicas = kpi("replicas", "Gateway replicas", "live, over all replicas");
 
   const tps = new ChartBox({ name: "tokens-per-s", title: "Decode tokens/s per user", type: "line", x: "time",
     description: "Line chart: each user's median decode tokens per second, per minute, over the selected window",
@@ -83,6 +85,16 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
     kTau.set(rounds ? fmt(emitted / rounds, 2) : "—", rounds ? `${fmtInt(rounds)} rounds in window`
       : specMethod === "none" ? "speculation off (spec method none)" : "no speculative rounds in window");
     kAcc.set(drafted ? pct(accepted / drafted) : "—", drafted ? `${fmtInt(accepted)} of ${fmtInt(drafted)} drafts` : "accepted / drafted");
+    const split = (k: "constrained" | "plain") => {
+      const d = acc.data.reduce((a, x) => a + x[k].drafted, 0);
+      const r = acc.data.reduce((a, x) => a + x[k].rounds, 0);
+      return { rate: d ? acc.data.reduce((a, x) => a + x[k].accepted, 0) / d : null,
+        tau: r ? acc.data.reduce((a, x) => a + x[k].emitted, 0) / r : null, rounds: r };
+    };
+    const g = split("constrained"), p = split("plain");
+    kSplit.set(g.rounds || p.rounds ? `${pct(g.rate)} / ${pct(p.rate)}` : "—",
+      g.rounds || p.rounds ? `τ ${fmt(g.tau, 2)} / ${fmt(p.tau, 2)} · ${fmtInt(g.rounds)} grammar, ${fmtInt(p.rounds)} plain rounds`
+        : "no speculative rounds in window");
 
     const graded = slaRows.data.reduce((a, x) => a + x.graded_requests, 0);
     const met = slaRows.data.reduce((a, x) => a + x.met_requests, 0);
@@ -106,7 +118,13 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const samples: Sample[] = [];
   let prev: Engine | null = null;
   async function sampleEngine(): Promise<void> {
-    const [e, st] = await Promise.all([get<Engine>("/admin/v1/engine"), get<TenancyStatus>("/admin/v1/tenancy/status")]);
+    const [e, st, live] = await Promise.all([get<Engine>("/admin/v1/engine"), get<TenancyStatus>("/admin/v1/tenancy/status"),
+      get<Live>("/admin/v1/live").catch(() => null)]);
+    if (live) {
+      const sla = live.sla.attainment === null ? "no SLA requests" : `SLA ${pct(live.sla.attainment)}`;
+      kReplicas.set(fmtInt(live.replicas.length), `${live.running_total} running · ${live.waiting_total} waiting · ${sla} (last ${live.window_s} s)` +
+        (live.degraded ? " · Redis down: this replica only" : live.shared ? "" : " · single process"));
+    }
     const dSteps = prev ? e.decode_steps - prev.decode_steps : 0;
     const B = prev && dSteps > 0 ? (e.verify_tokens - prev.verify_tokens) / dSteps : null; // null: no decode round
     // Request-rounds since the last sample: the share the budget (or gate) gave no draft, and live τ.
@@ -141,7 +159,7 @@ export async function renderOverview(ctx: Ctx): Promise<HTMLElement> {
   const page = h("div", { class: "page overview" },
     pageHeader("Overview", windowPicker(win, (w) => ctx.go("overview", { window: w })), updated),
     msg.el,
-    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSla.el),
+    h("div", { class: "kpis" }, kRunning.el, kWaiting.el, kBudget.el, kTau.el, kZero.el, kAcc.el, kSplit.el, kSla.el, kReplicas.el),
     h("div", { class: "charts" }, tps.el, load.el, budget.el, sla.el, volume.el));
 
   const guard = async (fn: () => Promise<void>) => {

@@ -21,6 +21,12 @@ function positionBars(r: Record_): SVGElement | string {
   return el;
 }
 
+/** The constraint of a request's output (JSON response format or tools) and its grammar-mask time. */
+export function constraintText(r: Record_): string {
+  if (!r.constraint) return "—";
+  return r.mask_ms_per_token === null ? r.constraint : `${r.constraint} · ${fmt(r.mask_ms_per_token, 2)} ms/token`;
+}
+
 function requestRow(r: Record_): HTMLTableRowElement {
   const spec = r.spec_rounds ? [
     fmtInt(r.spec_rounds), fmtInt(r.spec_drafted), fmtInt(r.spec_verified), fmtInt(r.spec_accepted),
@@ -35,6 +41,8 @@ function requestRow(r: Record_): HTMLTableRowElement {
     h("td", { class: "num" }, r.ttft_s === null ? "—" : `${fmt(r.ttft_s, 2)} s`),
     h("td", { class: "num" }, fmt(r.decode_tokens_per_s, 1),
       r.predicted_tokens_per_s !== null ? h("span", { class: "muted small" }, ` (pred. ${fmt(r.predicted_tokens_per_s, 1)})`) : null),
+    h("td", { "data-col": "constraint", title: r.constraint ? "grammar-mask time per generated token" : "free text" },
+      constraintText(r)),
     h("td", {}, r.sla_met === null ? "—" : `${r.sla_met ? "met" : "missed"} (≥ ${fmt(r.sla_target_tokens_per_s, 1)})`),
     spec.map((v) => h("td", { class: "num" }, v)),
     h("td", {}, positionBars(r)));
@@ -71,7 +79,7 @@ export async function renderUser(ctx: Ctx): Promise<HTMLElement> {
   chart.set([{ label: name, points: pts.map((p) => [Date.parse(p.minute), p.tokens_per_s]) }]);
   ctx.onLeave(() => chart.destroy());
 
-  const t = table(["Finished", "Outcome", "Model", "Tokens", "TTFT", "tok/s", "SLA", "Rounds", "Drafted", "Verified",
+  const t = table(["Finished", "Outcome", "Model", "Tokens", "TTFT", "tok/s", "Constraint", "SLA", "Rounds", "Drafted", "Verified",
     "Accepted", "τ", "Accept rate", "Accepted by position"], "requests");
   const msg = messageBox();
   const more = h("button", { type: "button", hidden: true }, "Load more");

@@ -24,6 +24,7 @@ from gateway.tenancy.schemas import (
     TierCreate, TierLimits, TierOut,
 )
 from gateway.core.text import Label, NameRef
+from gateway.observability.live import merge as live_merge
 from gateway.observability.stats import user_tokens_per_s
 
 # bodies are JSON whatever their Content-Type, as on /v1/chat/completions (docs/tenancy.md)
@@ -216,7 +217,7 @@ async def revoke_key(key_id: KeyId, request: Request, session: Session) -> KeyOu
 
 
 # ---------------------------------------------------------------------- records and stats
-Status = Literal["finished", "failed", "cancelled", "rejected"]
+Status = Literal["finished", "failed", "cancelled", "rejected", "running", "incomplete"]
 
 
 async def record_page(session: AsyncSession, *, limit: int, cursor: str | None, **filters) -> RecordPage:
@@ -314,16 +315,30 @@ async def refresh_rollups(request: Request) -> Response:
     return Response(status_code=204)
 
 
+@router.get("/live")
+async def live(_: AdminPrincipal, request: Request) -> dict:
+    """Live state over all replicas (:mod:`gateway.observability.live`): running and waiting
+    requests per tenant, per-user tok/s and SLA attainment of the last minute, one row per
+    live replica; ``degraded`` is true when Redis failed and only this replica is shown."""
+    state = request.app.state
+    snaps, degraded = await state.live.gather()
+    return {"object": "live", "replica": state.replica_id, "shared": state.live.client is not None,
+            "degraded": degraded, **live_merge(snaps)}
+
+
 @router.get("/tenancy/status")
 async def tenancy_status(_: AdminPrincipal, request: Request) -> dict:
     """Record-writer counters and live admission state of this replica."""
     state = request.app.state
     w, a = state.records, state.admission
     return {
+        "replica": state.replica_id,
         "records": {"buffered": w.buffered, "written": w.written, "dropped": w.dropped, "rejected": w.rejected,
+                    "swept_incomplete": w.swept,
                     "write_errors": w.write_errors, "last_error": w.last_error},
         "admission": {"active": {t: n for t, n in a.tenant_active.items() if n},
                       "waiting": len(a._waiters), "rejections": dict(a.rejections),
                       "predicted_tokens_per_s_at_1": a.model.predict(1),
-                      "rate_limit_store_errors": a.limiter.store_errors},
+                      "rate_limit_store_errors": a.limiter.store_errors,
+                      "concurrency_lease_errors": a.lease_errors},
     }

@@ -46,6 +46,13 @@ Patch points (checked against the 0.5.23 wheel by ``tests/runtime/sglang/test_pl
    _schedule_verify_lens(self, *, req_pool_indices, prefix_lens, device, confidence,
    budget)`` (called synchronously from 1.): wrapped to pass the weighted confidence copy.
 
+3. ``sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments(self)``
+   (the HTTP process, first call of ``TokenizerManager.generate_request``): wrapped to move
+   the two SLA keys from the request's ``custom_labels`` into ``sampling_params.custom_params``
+   (:func:`labels_to_custom_params`) — the path for requests that came through sglang-router
+   0.3.2, which drops ``custom_params`` but keeps ``custom_labels``. The keys are removed from
+   the labels, so they never become Prometheus labels (``collect_metrics``).
+
 Per-request inputs come from ``req.sampling_params.custom_params`` (sent by
 :mod:`runtime.sglang.client`): ``sparkgate_sla_target_tokens_per_s`` (float, tok/s) and
 ``sparkgate_sla_max_weight`` (float ≥ 1). The measured speed is tracked here: tokens
@@ -92,6 +99,9 @@ PLANNER_CLASS = "DSparkVerifyPlanner"
 PLANNER_METHOD = "_schedule_verify_lens"
 #: keyword-only parameters the planner method must have (0.5.23 signature)
 PLANNER_KWARGS = ("req_pool_indices", "prefix_lens", "device", "confidence", "budget")
+INPUT_MODULE = "sglang.srt.managers.io_struct"
+INPUT_CLASS = "GenerateReqInput"
+INPUT_METHOD = "normalize_batch_and_arguments"
 
 SLA_FILE = Path(__file__).resolve().parents[2] / "speculation" / "sla.py"
 _PATCHED = "__sparkgate_sla_patched__"
@@ -290,6 +300,47 @@ def _wrap_planner(orig: Callable) -> Callable:
     return _schedule_verify_lens
 
 
+def labels_to_custom_params(obj: Any) -> bool:
+    """Move :data:`TARGET_KEY` / :data:`MAX_WEIGHT_KEY` from ``obj.custom_labels`` (a
+    ``{str: str}`` dict, the values float text) into ``obj.sampling_params``'s
+    ``custom_params`` (a dict, or each dict of a list) as floats; values already in
+    ``custom_params`` win. The keys leave ``custom_labels`` (``None`` when it becomes empty).
+    Returns whether anything moved; a value that is not a number is dropped."""
+    labels = getattr(obj, "custom_labels", None)
+    if not isinstance(labels, dict) or not any(k in labels for k in (TARGET_KEY, MAX_WEIGHT_KEY)):
+        return False
+    rest = dict(labels)
+    moved: dict[str, float] = {}
+    for key in (TARGET_KEY, MAX_WEIGHT_KEY):
+        if key in rest:
+            try:
+                moved[key] = float(rest.pop(key))
+            except (TypeError, ValueError):
+                pass
+    obj.custom_labels = rest or None
+    if obj.sampling_params is None:
+        obj.sampling_params = {}
+    targets = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+    for sp in targets:
+        if isinstance(sp, dict):
+            params = sp.get("custom_params")
+            sp["custom_params"] = {**moved, **params} if isinstance(params, dict) else moved
+    return bool(moved)
+
+
+def _wrap_input(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def normalize_batch_and_arguments(self, *args, **kwargs):
+        try:
+            labels_to_custom_params(self)
+        except Exception:  # noqa: BLE001 — never break a request over its SLA labels
+            log.exception("sparkgate SLA plugin: reading the SLA from custom_labels failed")
+        return orig(self, *args, **kwargs)
+
+    setattr(normalize_batch_and_arguments, _PATCHED, True)
+    return normalize_batch_and_arguments
+
+
 def _check_planner_signature(fn: Callable) -> bool:
     params = inspect.signature(fn).parameters
     return all(name in params and params[name].kind is inspect.Parameter.KEYWORD_ONLY
@@ -324,9 +375,15 @@ def patch_planner_module(module: Any) -> bool:
     return _patch_method(module, PLANNER_CLASS, PLANNER_METHOD, _wrap_planner, _check_planner_signature)
 
 
+def patch_input_module(module: Any) -> bool:
+    """Patch point 3 (see module docstring). Idempotent; ``False`` if it is missing."""
+    return _patch_method(module, INPUT_CLASS, INPUT_METHOD, _wrap_input)
+
+
 PATCHES: dict[str, Callable[[Any], bool]] = {
     WORKER_MODULE: patch_worker_module,
     PLANNER_MODULE: patch_planner_module,
+    INPUT_MODULE: patch_input_module,
 }
 
 
@@ -352,7 +409,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class SlaImportHook(importlib.abc.MetaPathFinder):
-    """``sys.meta_path`` finder that patches the two SGLang modules when they are imported."""
+    """``sys.meta_path`` finder that patches the SGLang modules of :data:`PATCHES` when they are imported."""
 
     _sparkgate_sla_finder = True
 

@@ -126,6 +126,11 @@ async def test_records_filters_pagination_and_stats(tenancy_db):
         # FakeBackend per request: 3 rounds, 12 drafted, 4 accepted, positions [3, 1]; 5 requests ran
         assert by["acme"]["rounds"] == 15 and by["acme"]["accepted"] == 20 and by["acme"]["drafted"] == 60
         assert by["acme"]["per_position"] == [1.0, pytest.approx(1 / 3)] and by["acme"]["acceptance_rate"] == pytest.approx(1 / 3)
+        # every seeded request is free text: all of it is plain acceptance
+        assert by["acme"]["plain"] == {"rounds": 15, "drafted": 60, "accepted": 20, "emitted": 35,
+                                       "acceptance_rate": pytest.approx(1 / 3), "tau": pytest.approx(35 / 15)}
+        assert by["acme"]["constrained"] == {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0,
+                                             "acceptance_rate": None, "tau": None}
         sla = {t["tier"]: t for t in (await client.get("/admin/v1/stats/sla", headers=A)).json()["data"]}
         assert sla["gold"]["graded_requests"] == 5 and sla["gold"]["rejected"] == 1
         assert sla["default"]["graded_requests"] == 0  # no target

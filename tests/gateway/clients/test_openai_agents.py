@@ -25,8 +25,9 @@ from tests.support.wire import Wire
 
 pytestmark = pytest.mark.model
 
-#: The SDK's model classes under test (OpenAIResponsesModel joins once /v1/responses is served).
-MODEL_CLASSES = [pytest.param(agents.OpenAIChatCompletionsModel, id="chat_completions")]
+#: The SDK's model classes under test: /v1/chat/completions and /v1/responses (the SDK's default).
+MODEL_CLASSES = [pytest.param(agents.OpenAIChatCompletionsModel, id="chat_completions"),
+                 pytest.param(agents.OpenAIResponsesModel, id="responses")]
 
 
 @pytest.mark.parametrize("model_class", MODEL_CLASSES)
@@ -97,8 +98,15 @@ async def test_agent_with_tools_and_an_output_type_gets_the_format(live_server, 
         result = await agents.Runner.run(agent, QUESTION, max_turns=1,
                                          run_config=agents.RunConfig(tracing_disabled=True))
     print(result.new_items, wire.requests, sep="\n")
-    (sent,) = wire.requests
-    assert sent["tools"] and sent["tool_choice"] == "none" and sent["response_format"]["type"] == "json_schema"
+    (sent,), (got,) = wire.requests, wire.responses
+    assert sent["tools"] and sent["tool_choice"] == "none"
     assert isinstance(result.final_output, Forecast) and result.final_output.city.strip()
-    content = wire.responses[0]["choices"][0]["message"]["content"]
+    if model_class is agents.OpenAIResponsesModel:
+        assert sent["text"]["format"]["type"] == "json_schema"
+        (item,) = got["output"]
+        assert item["type"] == "message"
+        content = item["content"][0]["text"]
+    else:
+        assert sent["response_format"]["type"] == "json_schema"
+        content = got["choices"][0]["message"]["content"]
     assert Forecast.model_validate_json(content) == result.final_output  # what the model wrote, parsed

@@ -23,6 +23,6 @@ def record(live, response_id: str) -> dict:
 
     def fetch():
         r = httpx.get(f"{live.base_url}/v1/requests/{response_id}", headers=live.headers(), timeout=10)
-        return r.json() if r.status_code == 200 else None
+        return r.json() if r.status_code == 200 and r.json()["status"] != "running" else None
 
     return wait_until(fetch, f"the request record of {response_id}")

@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from gateway.core.security import key_digest
 from gateway.crud import keys as crud_keys
+from gateway.crud import responses as crud_responses
 from gateway.db import migrate
 from gateway.db.models import Tenant
 from gateway.db.session import make_engine, make_sessionmaker
@@ -25,6 +26,8 @@ from tests.support.gateway_fixtures import sqlite_url
 
 REPO = Path(__file__).resolve().parents[3]
 
+RESPONSE_COLUMNS = {"id": False, "tenant": False, "created_at": False, "model": False, "status": False,
+                    "previous_response_id": True, "input_items": False, "output_items": False, "body": False}
 API_KEY_COLUMNS = {"id", "digest", "prefix", "tenant_id", "user_label", "created_at", "last_used_at",
                    "expires_at", "revoked_at", "token_budget", "tokens_used", "rpm_limit", "tpm_limit"}
 
@@ -43,6 +46,10 @@ async def schema(url: str) -> dict:
                     out["fks"] = [(f["referred_table"], f["constrained_columns"]) for f in insp.get_foreign_keys("api_keys")]
                     out["tenants"] = {c["name"] for c in insp.get_columns("tenants")}
                     out["tenant_uniques"] = [u["column_names"] for u in insp.get_unique_constraints("tenants")]
+                if "responses" in tables:
+                    out["responses"] = {c["name"]: c["nullable"] for c in insp.get_columns("responses")}
+                    out["response_indexes"] = {i["name"]: i["column_names"] for i in insp.get_indexes("responses")}
+                    out["response_pk"] = insp.get_pk_constraint("responses")["constrained_columns"]
                 return out
             return await conn.run_sync(read)
     finally:
@@ -63,6 +70,14 @@ async def exercise_schema(url: str) -> None:
             session.add(Tenant(name="acme"))
             with pytest.raises(IntegrityError):
                 await session.commit()
+        async with make_sessionmaker(engine)() as session:  # a stored response, readable by its tenant only
+            obj = {"id": "resp_1", "model": "m", "status": "completed", "output": [{"type": "message"}], "x": "\x00é"}
+            await crud_responses.save_response(session, "acme", obj, [{"type": "message", "content": "hi"}])
+            row = await crud_responses.get_response(session, "resp_1", "acme")
+            assert crud_responses.response_object(row) == obj and row.created_at.tzinfo is not None
+            assert await crud_responses.get_response(session, "resp_1", "other") is None
+            assert await crud_responses.delete_response(session, "resp_1", "other") is False
+            assert await crud_responses.delete_response(session, "resp_1", "acme") is True
     finally:
         await engine.dispose()
 
@@ -78,11 +93,19 @@ async def round_trip(url: str) -> None:
     assert s["indexes"]["ix_api_keys_digest"] is True and s["indexes"]["ix_api_keys_prefix"] is False
     assert s["fks"] == [("tenants", ["tenant_id"])]
     assert s["tenants"] == {"id", "name", "created_at", "tier_id"} and ["name"] in s["tenant_uniques"]
+    assert s["responses"] == RESPONSE_COLUMNS and s["response_pk"] == ["id"]
+    assert s["response_indexes"] == {"ix_responses_tenant_created": ["tenant", "created_at"]}
     await exercise_schema(url)
+
+    await migrate.downgrade_async(url, "0003_billed_usage")  # 0004 drops only its own table
+    s = await schema(url)
+    assert "responses" not in s["tables"] and {"tenants", "api_keys", "request_records"} <= s["tables"]
+    await migrate.upgrade_async(url)
+    assert "responses" in (await schema(url))["tables"]
 
     await migrate.downgrade_async(url, "base")
     assert await migrate.current_revision_async(url) is None
-    assert not {"tenants", "api_keys"} & (await schema(url))["tables"]
+    assert not {"tenants", "api_keys", "responses"} & (await schema(url))["tables"]
 
     await migrate.upgrade_async(url)
     assert {"tenants", "api_keys"} <= (await schema(url))["tables"]

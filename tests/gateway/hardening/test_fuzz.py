@@ -50,6 +50,8 @@ def test_the_schema_declares_the_bodies_the_openai_routes_read():
         body["content"]["application/json"]["schema"]["properties"])
     assert {"model", "user", "stop", "cache_salt"} <= set(fuzz.string_properties(raw, "/v1/chat/completions", "post"))
     assert {"model", "prompt", "user"} <= set(fuzz.string_properties(raw, "/v1/completions", "post"))
+    assert {"model", "input", "instructions", "previous_response_id", "user"} <= set(
+        fuzz.string_properties(raw, "/v1/responses", "post"))
     assert {"name", "tier"} <= set(fuzz.string_properties(raw, "/admin/v1/tenants", "post"))
 
 

@@ -119,9 +119,11 @@ def test_gated_rounds_are_not_counted_as_drafts():
     d = Delta()
     stats = SpecStats(rounds=10, drafted=12, verified=5, accepted=3, emitted=13, accepted_per_position=[2, 1],
                       gated_rounds=7)
-    metrics.MetricsObserver._spec(SimpleNamespace(spec=stats), "default")  # verified/rounds 0.5: exact in binary
+    o = SimpleNamespace(spec=stats, ctx=SimpleNamespace(constraint=None))
+    metrics.MetricsObserver._spec(o, "default")  # verified/rounds 0.5: exact in binary
     assert d("sparkgate:spec_decode_num_drafts_total") == 3
     assert d("sparkgate:spec_decode_num_draft_tokens_total") == 12
+    assert d("sparkgate:spec_decode_num_drafts_by_constraint_total", constraint="none") == 3
 
 
 async def test_spec_stats_feed_the_spec_decode_counters(app, client, auth):
@@ -136,8 +138,14 @@ async def test_spec_stats_feed_the_spec_decode_counters(app, client, auth):
     assert d("sparkgate:spec_decode_num_accepted_tokens_total") == 4
     assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3
     assert d("sparkgate:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
-    assert d("sparkgate:spec_decode_verified_tokens_per_round_sum") == 4.0
+    assert d("sparkgate:spec_decode_verified_tokens_per_round_sum") == pytest.approx(4.0)  # a float sum of deltas
     assert d("sparkgate:spec_decode_verified_tokens_per_round_count") == 1
+    # a free-text request: all of it under constraint="none"
+    assert d("sparkgate:spec_decode_num_drafts_by_constraint_total", constraint="none") == 3
+    assert d("sparkgate:spec_decode_num_draft_tokens_by_constraint_total", constraint="none") == 12
+    assert d("sparkgate:spec_decode_num_accepted_tokens_by_constraint_total", constraint="none") == 4
+    assert d("sparkgate:spec_decode_num_draft_tokens_by_constraint_total") == 12  # and under no other
+    assert d("sparkgate:constrained_requests_total") == 0
 
 
 def outcome(status, tenant="t", tier=None, target=None, tokens=11, span_s=1.0, **kw) -> RequestOutcome:
@@ -145,6 +153,44 @@ def outcome(status, tenant="t", tier=None, target=None, tokens=11, span_s=1.0, *
                          sla_target_tokens_per_s=target)
     kw.setdefault("timings", RequestTimings(queued=100.0, started=100.5, first_token=101.0, last_token=101.0 + span_s))
     return RequestOutcome(ctx, status, prompt_tokens=5, completion_tokens=tokens, **kw)
+
+
+def test_constrained_outcomes_feed_the_grammar_metrics():
+    """The constraint of each outcome: counted whatever the end, its mask time per completion
+    token observed (when measured and ≥ 1 token), its speculation counted under its label."""
+    obs, d = metrics.MetricsObserver(), Delta()
+    metrics.TENANTS.configure(20)
+    metrics.TIERS.configure(10)
+    spec = lambda drafted, accepted: SpecStats(rounds=4, drafted=drafted, verified=drafted, accepted=accepted,  # noqa: E731
+                                               emitted=4 + accepted, accepted_per_position=[accepted])
+    runs = [("json_schema", FINISHED, 0.004, 10, spec(12, 3)),  # 0.4 ms per token
+            ("json_schema", FINISHED, 0.003, 2, spec(8, 1)),  # 1.5 ms per token
+            ("tools", CANCELLED, 0.0005, 5, spec(4, 4)),  # 0.1 ms per token
+            ("json_object", REJECTED, None, 0, None),  # refused: counted, nothing observed
+            ("json_object", FAILED, 0.001, 0, None),  # no token: no per-token time
+            (None, FINISHED, None, 7, spec(16, 9))]  # free text
+    for kind, status, mask, tokens, stats in runs:
+        o = outcome(status, tier="gold", tokens=tokens, spec=stats, grammar_mask_s=mask,
+                    finish_reason="stop" if status == FINISHED else None)
+        o.ctx.constraint = kind
+        obs.request_ended(o)
+    for kind, n in (("json_schema", 2), ("tools", 1), ("json_object", 2)):
+        assert d("sparkgate:constrained_requests_total", constraint=kind, tenant="t", tier="gold") == n, kind
+    assert d("sparkgate:constrained_requests_total") == 5  # the free-text one is not counted
+    h = "sparkgate:grammar_mask_time_per_output_token_seconds"
+    assert d(h + "_count", constraint="json_schema") == 2
+    assert d(h + "_sum", constraint="json_schema") == pytest.approx(0.0004 + 0.0015)
+    assert d(h + "_bucket", constraint="json_schema", le="0.0005") == 1
+    assert d(h + "_bucket", constraint="json_schema", le="0.0025") == 2
+    assert d(h + "_sum", constraint="tools") == pytest.approx(0.0001)
+    assert d(h + "_count", constraint="json_object") == 0 and d(h + "_count") == 3
+    by = "sparkgate:spec_decode_num_{}_by_constraint_total"
+    assert d(by.format("draft_tokens"), constraint="json_schema") == 20
+    assert d(by.format("accepted_tokens"), constraint="json_schema") == 4
+    assert d(by.format("drafts"), constraint="json_schema") == 8
+    assert d(by.format("draft_tokens"), constraint="tools") == 4 and d(by.format("accepted_tokens"), constraint="tools") == 4
+    assert d(by.format("draft_tokens"), constraint="none") == 16 and d(by.format("accepted_tokens"), constraint="none") == 9
+    assert d("sparkgate:spec_decode_num_draft_tokens_total") == 20 + 4 + 16  # the unlabelled totals: all of them
 
 
 def test_sla_attainment_per_tier_and_cancelled_is_abort():

@@ -247,8 +247,8 @@ async def test_not_ready_503_before_anything_needs_the_tokenizer(client, auth, b
 
 async def call_asgi(app, payload: dict, key: str, *, disconnect_after_body_chunks: int | None = None,
                     disconnect_after_s: float | None = None, fail_send_after_chunks: int | None = None,
-                    spec_version: str = "2.3", aborted_on_return: list | None = None) -> list[dict]:
-    """Drive the ASGI app like a server would, with a client that goes away.
+                    spec_version: str = "2.3", aborted_on_return: list | None = None, path: str = URL) -> list[dict]:
+    """Drive the ASGI app like a server would (``POST path``), with a client that goes away.
     ``aborted_on_return`` receives the backend's aborted ids as the app returns."""
     aborted_on_return = [] if aborted_on_return is None else aborted_on_return
     body = json.dumps(payload).encode()
@@ -274,7 +274,7 @@ async def call_asgi(app, payload: dict, key: str, *, disconnect_after_body_chunk
 
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": URL, "raw_path": URL.encode(), "query_string": b"",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
         "root_path": "", "client": ("127.0.0.1", 5555), "server": ("gateway.test", 80),
         "headers": [(b"host", b"gateway.test"), (b"authorization", f"Bearer {key}".encode()),
                     (b"content-type", b"application/json")],

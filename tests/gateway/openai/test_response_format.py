@@ -55,6 +55,43 @@ async def test_malformed_response_format_400_names_the_field(client, auth, backe
     assert backend.requests == []
 
 
+@pytest.mark.parametrize("extra,param,code", [
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex", "unsupported_parameter"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice", "unsupported_parameter"),
+    ({"guided_regex": "a+"}, "guided_regex", "unsupported_parameter"),
+    ({"guided_json": "{not json"}, "guided_json", "invalid_value"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json", "invalid_value"),
+    ({"structured_outputs": {"json": {}}, "guided_json": {}}, "guided_json", "invalid_value"),
+])
+async def test_vllm_constraints_other_than_json_400_by_name(grammar_client, auth, extra, param, code):
+    client, backend = grammar_client
+    r = await client.post(URL, json=chat(**extra), headers=auth)
+    assert_openai_error(r, 400, "invalid_request_error", param, code)
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+     ("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}})),
+    ({"structured_outputs": {"json": '{"type": "array"}'}}, ("json_schema", {"type": "array"})),
+    ({"guided_json": {"type": "string"}}, ("json_schema", {"type": "string"})),
+    ({"structured_outputs": {"json_object": True}}, ("json_object", None)),
+])
+async def test_vllm_json_constraints_are_response_formats(grammar_client, auth, extra, expected):
+    client, backend = grammar_client
+    r = await client.post(URL, json=chat(**extra), headers=auth)
+    assert r.status_code == 200, r.text
+    fmt = backend.requests[-1].response_format
+    assert (fmt.type, fmt.schema) == expected
+
+
+@pytest.fixture
+def grammar_client(client, backend):
+    """The fake backend, claiming grammar support (it records the format it is given)."""
+    backend.supports_response_format = True
+    return client, backend
+
+
 # -- the real engine, in process --------------------------------------------------------------
 
 

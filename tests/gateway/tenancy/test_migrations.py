@@ -97,3 +97,73 @@ async def test_sqlite_0002_round_trip_keeps_keys(tmp_path):
 @pytest.mark.postgres
 async def test_postgres_0002_round_trip_keeps_keys(pg_empty_url):
     await scenario(pg_empty_url)
+
+
+RECORD_COLUMNS_0005 = {"constraint", "mask_ms_per_token"}
+ROLLUP_COLUMNS_0005 = {"constrained_spec_rounds", "constrained_spec_drafted", "constrained_spec_accepted",
+                       "constrained_spec_emitted"}
+
+
+async def columns(url: str, table: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns(table)})
+    finally:
+        await engine.dispose()
+
+
+async def constraint_scenario(url: str) -> None:
+    """0003 → 0005: a record and a rollup written before get the new columns (NULL: free
+    text; constrained sums 0) and keep everything else; a constrained record written after is
+    stored whole; 0005 → 0003 drops exactly those columns and keeps the rows."""
+    await migrate.upgrade_async(url, "0003_billed_usage")
+    old = record_row(outcome(1))
+    engine = make_engine(url)
+    async with engine.begin() as conn:  # as 0003's code wrote them (no new columns)
+        cols = [c for c in old if c not in RECORD_COLUMNS_0005]
+        await conn.execute(text(f"INSERT INTO request_records ({', '.join(repr_col(c) for c in cols)}) "
+                                f"VALUES ({', '.join(':' + c for c in cols)})"),
+                           {c: old[c] for c in cols} | {"accepted_per_position": None,
+                                                         "queued_at": old["queued_at"].replace(tzinfo=None),
+                                                         "finished_at": old["finished_at"].replace(tzinfo=None)})
+    await engine.dispose()
+    assert not RECORD_COLUMNS_0005 & await columns(url, "request_records")
+    await migrate.upgrade_async(url)
+    assert RECORD_COLUMNS_0005 <= await columns(url, "request_records")
+    assert ROLLUP_COLUMNS_0005 <= await columns(url, "usage_rollups")
+    sm = make_sessionmaker(make_engine(url))
+    async with sm() as s:
+        (rec,), _ = await crud_records.query_records(s, limit=10)
+        assert (rec.id, rec.completion_tokens, rec.constraint, rec.mask_ms_per_token) == ("req-1", 11, None, None)
+        new = outcome(2)
+        new.ctx.constraint, new.grammar_mask_s = "tools", 0.0022
+        await crud_records.insert_records(s, [record_row(new)])
+        minute = crud_records.minute_of(record_row(new)["finished_at"])
+        await crud_records.recompute_rollups(s, {(minute, "acme")})
+        (rec2,) = [r for r in (await crud_records.query_records(s, limit=10))[0] if r.id == "req-2"]
+        assert (rec2.constraint, rec2.mask_ms_per_token) == ("tools", pytest.approx(0.2))
+    await sm.kw["bind"].dispose()
+    await migrate.downgrade_async(url, "0003_billed_usage")
+    assert not RECORD_COLUMNS_0005 & await columns(url, "request_records")
+    assert not ROLLUP_COLUMNS_0005 & await columns(url, "usage_rollups")
+    engine = make_engine(url)
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM request_records"))).scalar() == 2
+        assert (await conn.execute(text("SELECT count(*) FROM usage_rollups"))).scalar() >= 1
+    await engine.dispose()
+    await migrate.upgrade_async(url)
+    assert await migrate.current_revision_async(url) == migrate.head_revision()
+
+
+def repr_col(name: str) -> str:
+    return '"user"' if name == "user" else name  # a reserved word in Postgres
+
+
+async def test_sqlite_0005_adds_and_drops_the_constraint_columns(tmp_path):
+    await constraint_scenario(sqlite_url(tmp_path / "mig.db"))
+
+
+@pytest.mark.postgres
+async def test_postgres_0005_adds_and_drops_the_constraint_columns(pg_empty_url):
+    await constraint_scenario(pg_empty_url)

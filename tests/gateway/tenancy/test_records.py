@@ -188,6 +188,50 @@ def test_record_row_fields():
     assert row["first_token_at"] == datetime(2026, 1, 1, 12, 0, 28, 500000, tzinfo=timezone.utc)
     assert row["ttft_s"] == pytest.approx(0.5) and row["decode_tokens_per_s"] == pytest.approx(20.0)
     assert row["sla_met"] is False and row["sla_target_tokens_per_s"] == 25.0
+    assert row["constraint"] is None and row["mask_ms_per_token"] is None  # free text
+    o.ctx.constraint, o.grammar_mask_s = "json_schema", 0.0055  # 11 tokens: 0.5 ms each
+    row = record_row(o)
+    assert row["constraint"] == "json_schema" and row["mask_ms_per_token"] == pytest.approx(0.5)
+    o.completion_tokens = 0  # failed before its first token: no per-token time
+    assert record_row(o)["mask_ms_per_token"] is None
+
+
+async def test_constraint_and_mask_time_are_stored_and_rollups_split_acceptance(tenancy_db):
+    """The two new columns round-trip through the database (also the admin API's record shape),
+    and the rollups sum the speculation of constrained requests apart, so acceptance splits
+    grammar from plain."""
+    from gateway.tenancy.schemas import RecordOut
+
+    sm = make_sessionmaker(make_engine(tenancy_db))
+    w = RecordWriter(sm)
+    m0 = datetime(2026, 11, 30, 10, 0, tzinfo=timezone.utc)
+    plain = SpecStats(rounds=5, drafted=20, verified=20, accepted=10, emitted=15, accepted_per_position=[6, 4])
+    grammar = SpecStats(rounds=4, drafted=16, verified=16, accepted=4, emitted=8, accepted_per_position=[3, 1])
+    runs = [(None, None, plain), ("json_schema", 0.0033, grammar), ("tools", 0.0011, grammar),
+            ("json_object", None, None)]  # the last: constrained, no speculation, mask time not measured
+    for i, (kind, mask, spec) in enumerate(runs):
+        o = outcome(i, spec=spec, finished_at=m0 + timedelta(seconds=10 + i))
+        o.ctx.constraint, o.grammar_mask_s = kind, mask
+        w.request_ended(o)
+    await w.flush()
+    async with sm() as s:
+        recs = {r.id: r for r in (await crud_records.query_records(s, limit=10))[0]}
+        assert {k: (r.constraint, r.mask_ms_per_token) for k, r in recs.items()} == {
+            "req-0": (None, None), "req-1": ("json_schema", pytest.approx(0.3)),
+            "req-2": ("tools", pytest.approx(0.1)), "req-3": ("json_object", None)}
+        out = RecordOut.model_validate(recs["req-1"]).model_dump()
+        assert out["constraint"] == "json_schema" and out["mask_ms_per_token"] == pytest.approx(0.3)
+        (row,) = await crud_records.rollups(s, since=m0, until=m0 + timedelta(minutes=1), tenant="acme")
+        assert (row.spec_rounds, row.spec_drafted, row.spec_accepted, row.spec_emitted) == (13, 52, 18, 31)
+        assert (row.constrained_spec_rounds, row.constrained_spec_drafted, row.constrained_spec_accepted,
+                row.constrained_spec_emitted) == (8, 32, 8, 16)
+        (acc,) = crud_records.acceptance([row], "model")
+        assert acc["constrained"] == {"rounds": 8, "drafted": 32, "accepted": 8, "emitted": 16,
+                                      "acceptance_rate": 0.25, "tau": 2.0}
+        assert acc["plain"] == {"rounds": 5, "drafted": 20, "accepted": 10, "emitted": 15,
+                                "acceptance_rate": 0.5, "tau": 3.0}
+        assert acc["acceptance_rate"] == pytest.approx(18 / 52)  # the total is unchanged
+    await sm.kw["bind"].dispose()
 
 
 async def test_the_running_writer_prunes_old_records_at_start(sqlite_db):
@@ -208,3 +252,44 @@ async def test_the_running_writer_prunes_old_records_at_start(sqlite_db):
         rows, _ = await crud_records.query_records(s)
     assert [r.id for r in rows] == ["req-2"]  # 8 days old: pruned; 6 days old: kept
     await sm.kw["bind"].dispose()
+
+
+async def test_tool_and_plain_requests_are_marked_through_the_gateway(tenancy_db):
+    """Over HTTP (FakeBackend: it parses tool calls but has no grammars, so no mask time): a
+    tools request is recorded with constraint "tools" and its speculation lands in the
+    constrained sums and the tools-labelled counters; a plain one is recorded with no
+    constraint and its speculation is plain; a refused tools request leaves a rejected
+    "tools" record."""
+    from tests.gateway.observability.test_metrics import Delta
+    from tests.support.tenancy_fixtures import ADMIN_HEADERS
+    from tests.support.tools import WEATHER
+
+    d = Delta()
+    async with running_app(tenancy_db, CountingBackend(max_context=512)) as (app, client):
+        h = bearer(await new_key(client, "acme", "alice"))
+        r = await client.post("/v1/chat/completions", json=chat(tools=[WEATHER], return_spec_stats=True), headers=h)
+        assert r.status_code == 200, r.text
+        tools_id = r.json()["id"]
+        r = await client.post("/v1/chat/completions", json=chat(return_spec_stats=True, max_tokens=5), headers=h)
+        plain_id = r.json()["id"]
+        bad = {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+        assert (await client.post("/v1/chat/completions", json=chat(**bad), headers=h)).status_code == 400
+        assert (await client.post("/admin/v1/rollups/refresh", headers=ADMIN_HEADERS)).status_code == 204
+        recs = {x["id"]: x for x in (await client.get("/admin/v1/requests", headers=ADMIN_HEADERS)).json()["data"]}
+        acc = (await client.get("/admin/v1/stats/acceptance", params={"group_by": "tenant"},
+                                headers=ADMIN_HEADERS)).json()["data"]
+    tools, plain = recs[tools_id], recs[plain_id]
+    (refused,) = [x for x in recs.values() if x["status"] == "rejected"]
+    assert (tools["constraint"], tools["mask_ms_per_token"], tools["spec_drafted"]) == ("tools", None, 12)
+    assert (plain["constraint"], plain["mask_ms_per_token"], plain["spec_drafted"]) == (None, None, 8)
+    assert (refused["constraint"], refused["error_code"]) == ("tools", "invalid_value")
+    (a,) = acc
+    for split, rec in (("constrained", tools), ("plain", plain)):
+        assert (a[split]["rounds"], a[split]["drafted"], a[split]["accepted"]) == (
+            rec["spec_rounds"], rec["spec_drafted"], rec["spec_accepted"]), split
+    by = "sparkgate:spec_decode_num_{}_by_constraint_total"
+    for label, rec in (("tools", tools), ("none", plain)):
+        assert d(by.format("draft_tokens"), constraint=label) == rec["spec_drafted"], label
+        assert d(by.format("accepted_tokens"), constraint=label) == rec["spec_accepted"], label
+    assert d("sparkgate:constrained_requests_total", constraint="tools", tenant="acme") == 2  # the refused one too
+    assert d("sparkgate:grammar_mask_time_per_output_token_seconds_count") == 0  # nothing measured it

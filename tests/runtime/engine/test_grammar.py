@@ -245,7 +245,9 @@ def run_engine(model, tokenizer, reqs, warm_up: str | None = None, **cfg):
 def test_t0_constrained_speculative_text_is_constrained_plain_text(target_gguf, tokenizer, gguf_kernel):
     """14 schemas, JSON mode and 4 free-text requests in one ragged batch, T = 0: hybrid
     speculation (n-gram and DSpark drafts) emits exactly the tokens of plain decoding; every constrained
-    reply that stopped validates; the free-text ones are those of a batch without any grammar."""
+    reply that stopped validates; the free-text ones are those of a batch without any grammar.
+    Every constrained request reports the time its masks took (``Finished.grammar_mask_s`` > 0),
+    the free-text ones none."""
     sp = SamplingParams(temperature=0.0, max_tokens=64)
     picked = SCHEMAS[::4]
     reqs = [(name, prompt, sp, ResponseFormat("json_schema", schema)) for name, prompt, schema in picked]
@@ -260,6 +262,8 @@ def test_t0_constrained_speculative_text_is_constrained_plain_text(target_gguf, 
         drafted = sum(v[2].spec.drafted for k, v in spec.items() if not k.startswith("plain"))
         accepted = sum(v[2].spec.accepted for k, v in spec.items() if not k.startswith("plain"))
         assert drafted > accepted > 30, (method, drafted, accepted)  # drafts accepted and rejected under masks
+        assert_mask_times(spec, method)
+    assert_mask_times(plain, "none")
     for k in free:
         assert plain[k][1] == free[k][1]
     schemas = {name: schema for name, _, schema in picked}
@@ -272,6 +276,21 @@ def test_t0_constrained_speculative_text_is_constrained_plain_text(target_gguf, 
     assert stopped >= 10
     text, _, fin = plain["json_object"]
     assert text.startswith("{") and (fin.finish_reason.value != "stop" or isinstance(json.loads(text), dict))
+
+
+def assert_mask_times(out: dict, method: str) -> None:
+    """Constrained requests (every id but ``plain*``) measured a positive mask time, below their
+    wall time; free-text ones report none. Prints the mean ms per generated token."""
+    per_token = []
+    for k, (_, tokens, fin) in out.items():
+        if k.startswith("plain"):
+            assert fin.grammar_mask_s is None, k
+            continue
+        t = fin.timings
+        assert 0 < fin.grammar_mask_s < t.finished - t.queued, (k, fin.grammar_mask_s)
+        per_token.append(1000 * fin.grammar_mask_s / fin.completion_tokens)
+    print(f"\n{method}: grammar mask {sum(per_token) / len(per_token):.3f} ms per generated token "
+          f"(mean over {len(per_token)} requests, max {max(per_token):.3f})")
 
 
 def test_invalid_schema_fails_only_its_request(target_gguf, tokenizer, gguf_kernel):

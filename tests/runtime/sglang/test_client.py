@@ -115,9 +115,25 @@ async def test_request_fields_reach_sglang(servers):
     assert body["sampling_params"]["custom_params"] == {
         "sparkgate_sla_target_tokens_per_s": 80.0, "sparkgate_sla_max_weight": 2.5}
     assert body["sampling_params"]["top_k"] == -1 and body["sampling_params"]["sampling_seed"] == 9
+    assert "custom_labels" not in body  # only with sla_in_custom_labels (behind sglang-router)
     fin = events[-1]
     assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 3
     assert "".join(e.text for e in events[:-1]) == "Hello world,"
+
+
+def test_sla_in_custom_labels_for_sglang_router():
+    """``sla_in_custom_labels``: the SLA pair also goes in ``custom_labels`` as text (sglang-router
+    0.3.2 keeps that field, drops ``custom_params``); without a target nothing is added."""
+    from runtime.sglang.client import SGLangConfig, build_generate_payload
+
+    req = _req(rid="chatcmpl-lab")
+    req.sla_target_tokens_per_s = 12.5
+    body = build_generate_payload(req, SGLangConfig(sla_in_custom_labels=True, sla_max_weight=3.0))
+    assert body["custom_labels"] == {"sparkgate_sla_target_tokens_per_s": "12.5", "sparkgate_sla_max_weight": "3.0"}
+    assert body["sampling_params"]["custom_params"] == {"sparkgate_sla_target_tokens_per_s": 12.5,
+                                                        "sparkgate_sla_max_weight": 3.0}
+    req.sla_target_tokens_per_s = None
+    assert "custom_labels" not in build_generate_payload(req, SGLangConfig(sla_in_custom_labels=True))
 
 
 async def test_spec_stats_from_meta_info(servers):

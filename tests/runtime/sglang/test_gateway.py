@@ -23,7 +23,12 @@ Checked through HTTP only (OpenAI API, admin API, ``/metrics``):
   "code"}}`` with the right status, or — once streaming has begun — one SSE error event
   followed by ``data: [DONE]``;
 * a client that disconnects mid-stream makes the gateway abort the request upstream
-  (``POST /abort_request {"rid"}``, SGLang 0.5.23 ``api_types.AbortRequest``).
+  (``POST /abort_request {"rid"}``, SGLang 0.5.23 ``api_types.AbortRequest``);
+* ``response_format`` and ``tools`` reach SGLang as ``sampling_params.json_schema`` /
+  ``structural_tag`` (what the stand-in recorded), its schema-valid replies come back as
+  content or parsed ``tool_calls`` (``finish_reason: "tool_calls"``), the records mark them,
+  schemas the embedded engine refuses are refused before anything is sent and a grammar SGLang
+  cannot compile is a 400; the sampling fields and ``n`` arrive as SGLang's own.
 """
 
 from __future__ import annotations
@@ -191,14 +196,15 @@ def moved(before: dict, after: dict, name: str, **labels) -> float:
 
 def record(client: httpx.Client, rid: str, timeout: float = 10.0) -> dict:
     """The request record ``rid`` via the admin API, once the writer has stored it (the
-    outcome is reported when the response stream closes, so it can trail the last byte)."""
+    outcome is reported when the response stream closes, so it can trail the last byte; until
+    then the record is ``running``)."""
     deadline = time.monotonic() + timeout
     while True:
         assert client.post("/admin/v1/rollups/refresh", headers=ADMIN_H).status_code == 204
         r = client.get(f"/admin/v1/requests/{rid}", headers=ADMIN_H)
-        if r.status_code == 200:
+        if r.status_code == 200 and r.json()["status"] != "running":
             return r.json()
-        assert r.status_code == 404, r.text
+        assert r.status_code in (200, 404), r.text
         assert time.monotonic() < deadline, f"no request record {rid}"
         time.sleep(0.05)
 
@@ -479,3 +485,166 @@ def test_client_disconnect_mid_stream_aborts_upstream(stack):
 
 def backend_in_flight(stack) -> int:
     return sum(u.in_flight for u in stack.backend.router.upstreams)
+
+
+# -- constrained decoding: response formats and tools reach SGLang, replies come back shaped ----------
+
+def person_schema() -> dict:
+    return {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 10},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "email": {"type": "string", "format": "email"}}, "required": ["name", "age", "tags", "email"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_reaches_sglang_and_the_reply_validates(stack, stream):
+    import jsonschema
+
+    schema = person_schema()
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    with stack.client() as c:
+        before = scrape(c)
+        r = c.post("/v1/chat/completions", json=chat(stream, response_format=rf, temperature=0.3, seed=11),
+                   headers=stack.auth)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = parse_sse(r.text)
+            rid = events[0]["id"]
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+            finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
+        else:
+            rid, choice = r.json()["id"], r.json()["choices"][0]
+            content, finish = choice["message"]["content"], choice["finish_reason"]
+        rec = record(c, rid)
+        after = scrape(c)
+    (body,) = stack.standin.requests
+    sp = body["sampling_params"]
+    assert json.loads(sp["json_schema"]) == schema and stack.standin.constraints == [("json_schema", schema)]
+    assert not {"regex", "ebnf", "structural_tag"} & set(sp)
+    assert (sp["temperature"], sp["sampling_seed"]) == (0.3, 11)  # the sampling fields ride along
+    jsonschema.validate(json.loads(content), schema)
+    assert content == stack.standin.chunks_sent[-1]["text"] and finish == "stop"
+    # SGLang reports no mask time: marked json_schema, not measured
+    assert (rec["constraint"], rec["mask_ms_per_token"], rec["status"]) == ("json_schema", None, "finished")
+    assert moved(before, after, "sparkgate:constrained_requests_total", constraint="json_schema", tenant=TENANT) == 1
+    assert moved(before, after, "sparkgate:grammar_mask_time_per_output_token_seconds_count") == 0
+
+
+def test_json_object_is_sglangs_object_schema(stack):
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(False, response_format={"type": "json_object"}),
+                   headers=stack.auth)
+        assert r.status_code == 200, r.text
+        rec = record(c, r.json()["id"])
+    assert stack.standin.requests[0]["sampling_params"]["json_schema"] == '{"type": "object"}'
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {}
+    assert rec["constraint"] == "json_object"
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "ping"}}]
+
+
+@pytest.mark.parametrize("choice,kind,names", [
+    ("required", "tags_with_separator", ["get_weather", "ping"]),
+    ("auto", "triggered_tags", ["get_weather", "ping"]),
+    ({"type": "function", "function": {"name": "ping"}}, "tags_with_separator", ["ping"]),
+])
+def test_tools_reach_sglang_as_a_structural_tag_and_come_back_as_tool_calls(stack, choice, kind, names):
+    import jsonschema
+
+    from runtime.engine.tool_grammar import call_opening
+
+    body = chat(False, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", json=body, headers=stack.auth)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        rec = record(c, out["id"])
+        streamed = parse_sse(c.post("/v1/chat/completions", json={**body, "stream": True}, headers=stack.auth).text)
+    (field, tag), _ = stack.standin.constraints
+    fmt = tag["format"]
+    assert field == "structural_tag" and fmt["type"] == kind and fmt["stop_after_first"] is True
+    assert [t["begin"] for t in fmt["tags"]] == [call_opening(n) for n in names]
+    params = {"get_weather": WEATHER_PARAMS, "ping": {"type": "object", "properties": {}}}
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [params[n] for n in names]
+    assert "json_schema" not in stack.standin.requests[0]["sampling_params"]
+    choice0 = out["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls" and choice0["message"]["content"] is None
+    (call,) = choice0["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == names[0]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params[names[0]])
+    assert "<tool_call>" not in json.dumps(out)  # the tags never reach the client
+    deltas = [e["choices"][0] for e in streamed[:-1] if e["choices"]]
+    calls = [d["delta"]["tool_calls"][0] for d in deltas if "tool_calls" in d["delta"]]
+    assert calls[0]["function"]["name"] == names[0] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert "".join(x["function"]["arguments"] for x in calls) == call["function"]["arguments"]
+    assert (rec["constraint"], rec["finish_reason"]) == ("tools", "stop")  # the engine's reason: EOS
+
+
+def test_tools_with_a_response_format_reach_sglang_as_the_format_or_calls(stack):
+    import jsonschema
+
+    answer = {"type": "object", "properties": {"city": {"type": "string"}, "pair": {
+        "type": "array", "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False}},
+        "required": ["city", "pair"]}  # a draft-07 tuple, as the Vercel AI SDK sends zod's
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(False, tools=TOOLS, response_format=fmt), headers=stack.auth)
+        assert r.status_code == 200, r.text
+    ((field, tag),) = stack.standin.constraints
+    assert field == "structural_tag" and tag["format"]["type"] == "or"
+    reply, calls = tag["format"]["elements"]
+    assert calls["type"] == "tags_with_separator" and calls["at_least_one"] is True
+    assert reply["json_schema"]["properties"]["pair"] == {  # read as 2020-12
+        "type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}
+    message = r.json()["choices"][0]["message"]
+    assert r.json()["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in message
+    jsonschema.Draft7Validator(answer).validate(json.loads(message["content"]))
+
+
+def test_refused_schemas_never_reach_sglang_and_sglangs_refusal_is_a_400(stack):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(True, response_format=bad), headers=stack.auth)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "unsupported_schema_keyword"
+        assert err["param"] == "response_format.json_schema.schema.properties.tags.uniqueItems"
+        assert stack.standin.requests == []  # checked like the embedded engine, before anything is sent
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+        r = c.post("/v1/chat/completions", json=chat(False, tools=tools, tool_choice="required"), headers=stack.auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters.not"
+        assert stack.standin.requests == []
+        # a schema only the compiler can refuse: SGLang aborts it (400, "Invalid grammar request")
+        typo = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json=chat(stream, response_format=typo), headers=stack.auth)
+            err = r.json()["error"]
+            assert r.status_code == 400 and (err["code"], err["param"]) == ("invalid_schema", "response_format")
+            assert "Invalid grammar request" in err["message"]
+        rec = record(c, stack.standin.requests[-1]["rid"])
+    assert (rec["status"], rec["error_code"], rec["constraint"]) == ("rejected", "invalid_schema", "json_schema")
+    assert stack.standin.aborts == []  # SGLang ended them itself
+
+
+def test_sampling_fields_and_n_reach_sglang(stack):
+    extra = {"n": 2, "seed": 5, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.1,
+             "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+             "logit_bias": {"7": -100}, "min_tokens": 2, "stop_token_ids": [6], "stop": ["zz"], "max_tokens": 4}
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(False, **extra), headers=stack.auth)
+    assert r.status_code == 200, r.text
+    assert [ch["index"] for ch in r.json()["choices"]] == [0, 1]
+    sent = sorted(stack.standin.requests, key=lambda b: b["rid"])
+    assert [b["rid"] for b in sent] == [r.json()["id"], r.json()["id"] + "-1"]
+    for i, b in enumerate(sent):
+        sp = {k: v for k, v in b["sampling_params"].items() if k != "custom_params"}
+        assert sp == {"max_new_tokens": 4, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "ignore_eos": False,
+                      "stop": ["zz"], "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                      "repetition_penalty": 1.1, "min_p": 0.1, "min_new_tokens": 2, "logit_bias": {"7": -100.0},
+                      "stop_token_ids": [6], "sampling_seed": 5 + i}

@@ -6,6 +6,7 @@ re-checked against the wheel there)."""
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
 import subprocess
@@ -271,3 +272,55 @@ def test_uninstall(tmp_path):
     assert not install.is_installed(tmp_path)
     with pytest.raises(FileNotFoundError):
         install.install(tmp_path / "missing")
+
+
+FAKE_IO_STRUCT = '''
+"""FAKE sglang.srt.managers.io_struct (sparkgate test double): GenerateReqInput's field names
+and normalize_batch_and_arguments(self) as in sglang 0.5.23; the body only records its input."""
+from dataclasses import dataclass
+
+
+@dataclass
+class GenerateReqInput:
+    sampling_params: object = None
+    custom_labels: object = None
+    seen: object = None
+
+    def normalize_batch_and_arguments(self):
+        self.seen = (self.sampling_params, self.custom_labels)
+'''
+
+
+def test_sla_labels_from_the_router_become_custom_params(sglang_env, tmp_path):
+    """Patch point 3 in an interpreter with the .pth: the SLA keys that came in ``custom_labels``
+    (the path through sglang-router 0.3.2) are in ``sampling_params.custom_params`` when SGLang's
+    ``normalize_batch_and_arguments`` runs, and no longer labels; other labels stay."""
+    python, _ = sglang_env
+    pkg = tmp_path / "fake" / "sglang" / "srt" / "managers"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parents[1], pkg.parent, pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "io_struct.py").write_text(FAKE_IO_STRUCT)
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path / "fake")!r})
+        from sglang.srt.managers.io_struct import GenerateReqInput
+        a = GenerateReqInput({{"max_new_tokens": 4}}, {{"sparkgate_sla_target_tokens_per_s": "5.0",
+                             "sparkgate_sla_max_weight": "2.5", "team": "x"}})
+        a.normalize_batch_and_arguments()
+        b = GenerateReqInput([{{}}, {{"custom_params": {{"sparkgate_sla_max_weight": 3.0}}}}],
+                             {{"sparkgate_sla_target_tokens_per_s": "7"}})
+        b.normalize_batch_and_arguments()
+        c = GenerateReqInput({{"max_new_tokens": 4}}, {{"team": "y"}})
+        c.normalize_batch_and_arguments()
+        print(json.dumps([a.seen, b.seen, c.seen]))
+    """)
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    a, b, c = json.loads(out.stdout)
+    assert a == [{"max_new_tokens": 4, "custom_params": {"sparkgate_sla_target_tokens_per_s": 5.0,
+                                                          "sparkgate_sla_max_weight": 2.5}}, {"team": "x"}]
+    assert b == [[{"custom_params": {"sparkgate_sla_target_tokens_per_s": 7.0}},
+                  {"custom_params": {"sparkgate_sla_target_tokens_per_s": 7.0, "sparkgate_sla_max_weight": 3.0}}],
+                 None]
+    assert c == [{"max_new_tokens": 4}, {"team": "y"}]  # untouched without SLA labels

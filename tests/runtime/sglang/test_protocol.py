@@ -206,3 +206,37 @@ def test_assembler_drops_an_incomplete_last_character_like_the_engine(tokenizer)
     # a U+FFFD the model generated as a complete character is kept
     ids = tokenizer.encode("a\ufffd")
     assert _sglang_cut(tokenizer, ids, ids, tokenizer) == ("a\ufffd", len(ids))
+
+
+def test_payload_maps_response_formats_to_sglang_constraint_fields():
+    """json_object / json_schema → ``json_schema`` (a JSON string, as SGLang's own OpenAI adapter
+    sends them); tool calls → ``structural_tag``, the embedded engine's tag with each tool's
+    arguments as ``json_schema`` content; free text sends none of them."""
+    import json
+
+    from runtime.engine.tool_grammar import CALL_CLOSING, call_opening
+    from runtime.interface import ResponseFormat, ToolSchema
+    from tests.support.tools import SCHEMAS
+
+    cfg = SGLangConfig(max_context=100)
+    sp = lambda fmt: build_generate_payload(_req(response_format=fmt), cfg)["sampling_params"]  # noqa: E731
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert sp(ResponseFormat("json_object"))["json_schema"] == '{"type": "object"}'
+    assert sp(ResponseFormat("json_schema", None))["json_schema"] == '{"type": "object"}'
+    got = sp(ResponseFormat("json_schema", schema, strict=True))
+    assert json.loads(got["json_schema"]) == schema and "structural_tag" not in got
+    tools = tuple(ToolSchema(name, params) for name, params in SCHEMAS.items()) + (ToolSchema("ping"),)
+    for choice, parallel, kind in (("required", True, "tags_with_separator"), ("auto", False, "triggered_tags")):
+        got = sp(ResponseFormat("tool_calls", tools=tools, tool_choice=choice, parallel_tool_calls=parallel))
+        assert "json_schema" not in got
+        tag = json.loads(got["structural_tag"])
+        fmt = tag["format"]
+        assert tag["type"] == "structural_tag" and fmt["type"] == kind and fmt["stop_after_first"] is (not parallel)
+        assert [t["begin"] for t in fmt["tags"]] == [call_opening(t.name) for t in tools]
+        assert {t["end"] for t in fmt["tags"]} == {CALL_CLOSING}
+        assert [t["content"] for t in fmt["tags"]] == [
+            {"type": "json_schema", "json_schema": SCHEMAS["get_weather"]},
+            {"type": "json_schema", "json_schema": SCHEMAS["add"]},
+            {"type": "json_schema", "json_schema": {"type": "object", "properties": {}}}]  # no parameters: {}
+        validate("SamplingParams", got)
+    assert not {"json_schema", "regex", "ebnf", "structural_tag"} & set(sp(None))

@@ -27,6 +27,7 @@ VERSION = "0.5.23"
 PLANNER = "sglang/srt/speculative/dspark_components/dspark_planner.py"
 WORKER = "sglang/srt/speculative/dspark_components/dspark_worker_v2.py"
 SCHEDULE = "sglang/kernels/ops/speculative/dspark/dspark_schedule.py"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
 
 #: the plugin's patch points: (file, class, method) → (def line, positional args, keyword-only args)
 PATCH_POINTS = {
@@ -34,6 +35,7 @@ PATCH_POINTS = {
         (526, ["self"], ["req_pool_indices", "prefix_lens", "device", "confidence", "budget"]),
     (WORKER, "DSparkWorkerV2", "_forward_decode"):
         (961, ["self", "batch", "on_publish", "grammar_barrier", "coordination_plan"], []),
+    (IO_STRUCT, "GenerateReqInput", "normalize_batch_and_arguments"): (406, ["self"], []),
 }
 
 #: source lines the client/stand-in/launcher/plugin rely on: file → substrings
@@ -42,6 +44,7 @@ SOURCE_FACTS = {
         '@app.get("/health")', '@app.get("/health_generate")', '@app.post("/abort_request")',
         '"/generate",', 'yield b"data: " + dumps_json(out) + b"\\n\\n"', 'yield b"data: [DONE]\\n\\n"',
         'content={"error": contract_error}', '"retryable": False', '@app.get("/server_info")',
+        '@app.get("/model_info")', '"served_model_name": _global_state.tokenizer_manager.served_model_name,',
         "**build_server_info(server_args, _global_state.scheduler_info),",
     ],
     "sglang/srt/entrypoints/v1_loads.py": ['@router.get("/v1/loads")', '"loads": loads'],
@@ -54,8 +57,10 @@ SOURCE_FACTS = {
         'meta_info["spec_num_proposed_drafts"] = num_proposed_drafts',
         'meta_info["spec_accept_length"] = (', 'meta_info["spec_cap_length"] = (',
         'meta_info["spec_correct_drafts_histogram"] = (', 'meta_info["spec_cap_lens_histogram"] = recv_obj',
+        "obj.normalize_batch_and_arguments()", "labels.update(custom_labels)",  # plugin patch point 3
         '"text": delta_text,', '"text": state.get_text(),', '"completion_tokens": recv_obj.completion_tokens[i],',
     ],
+    IO_STRUCT: ["custom_labels: Optional[Dict[str, str]] = None"],
     "sglang/srt/managers/detokenizer_manager.py": ["return output[:end] if no_stop_trim else output[:pos]",
                                                    "incremental_output = output_str[s.sent_offset :]"],
     "sglang/srt/managers/schedule_batch.py": [
@@ -142,7 +147,8 @@ def test_plugin_patch_points_exist(wheel):
     # and they are the names the plugin patches
     assert {(m.replace(".", "/") + ".py", c, f) for m, c, f in (
         (sla_hook.PLANNER_MODULE, sla_hook.PLANNER_CLASS, sla_hook.PLANNER_METHOD),
-        (sla_hook.WORKER_MODULE, sla_hook.WORKER_CLASS, sla_hook.WORKER_METHOD))} == set(PATCH_POINTS)
+        (sla_hook.WORKER_MODULE, sla_hook.WORKER_CLASS, sla_hook.WORKER_METHOD),
+        (sla_hook.INPUT_MODULE, sla_hook.INPUT_CLASS, sla_hook.INPUT_METHOD))} == set(PATCH_POINTS)
     assert tuple(PATCH_POINTS[(PLANNER, "DSparkVerifyPlanner", "_schedule_verify_lens")][2]) == sla_hook.PLANNER_KWARGS
 
 

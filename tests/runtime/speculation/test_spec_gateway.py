@@ -175,3 +175,57 @@ def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path,
     # that max_tokens/EOS cut (at most γ of them)
     assert emitted <= tokens <= emitted + 4 * len(PROMPTS)
     assert spec >= 2 and gated >= 2  # the gate's warm-up ran both modes
+
+
+def test_constrained_and_plain_requests_are_marked_and_split(target_fp32, tokenizer, tmp_path, migrated_template):
+    """The real engine, prompt-lookup speculation: a ``json_schema`` request whose JSON repeats
+    its prompt (drafts accepted under the grammar), a ``tools`` request and a plain one. Their
+    records carry the constraint and the engine's measured mask time per token (none for the
+    plain one); each request's drafted/accepted tokens land in the by-constraint counters of its
+    own kind and in the rollups' grammar / plain split."""
+    from gateway.observability import metrics
+    from tests.gateway.observability.test_metrics import Delta
+    from tests.support.hardening_util import serve_in_thread
+
+    metrics.TENANTS.configure(20)
+    app, key = serve(target_fp32, tokenizer, tmp_path, migrated_template, "prompt_lookup")
+    auth, admin = {"Authorization": f"Bearer {key}"}, {"Authorization": f"Bearer {ADMIN}"}
+    # the grammar holds the reply to the prompt's sentence, which prompt lookup drafts from the prompt
+    line = {"enum": ["the quick brown fox jumps over the lazy dog.", "the lazy dog sleeps."]}
+    schema = {"type": "object", "properties": {"line": line}, "required": ["line"]}
+    tool = {"type": "function", "function": {"name": "say", "parameters": schema}}
+    asks = {"json_schema": body(PROMPTS[0] + " Answer as JSON with the key line.", response_format={
+                "type": "json_schema", "json_schema": {"name": "lines", "schema": schema}}),
+            "tools": body(PROMPTS[0], tools=[tool], tool_choice="required"),
+            None: body(PROMPTS[0])}
+    d = Delta()
+    with serve_in_thread(app) as base:
+        recs = {}
+        for kind, payload in asks.items():
+            r = httpx.post(base + "/v1/chat/completions", json=payload, headers=auth, timeout=300)
+            assert r.status_code == 200, r.text
+            if kind == "json_schema":
+                assert "line" in json.loads(r.json()["choices"][0]["message"]["content"])
+            if kind == "tools":
+                assert r.json()["choices"][0]["finish_reason"] in ("tool_calls", "length")
+            assert httpx.post(base + "/admin/v1/rollups/refresh", headers=admin).status_code == 204
+            recs[kind] = httpx.get(f"{base}/admin/v1/requests/{r.json()['id']}", headers=admin).json()
+        (acc,) = httpx.get(base + "/admin/v1/stats/acceptance", params={"group_by": "tenant"}, headers=admin).json()["data"]
+    for kind, rec in recs.items():
+        assert rec["constraint"] == kind
+        if kind is None:
+            assert rec["mask_ms_per_token"] is None
+        else:  # measured by the engine: a positive time, a part of its decode time per token
+            assert 0 < rec["mask_ms_per_token"] < 1000 / rec["decode_tokens_per_s"], rec
+        assert rec["spec_rounds"] > 0
+        label = kind or "none"
+        assert d("sparkgate:spec_decode_num_draft_tokens_by_constraint_total", constraint=label) == rec["spec_drafted"]
+        assert d("sparkgate:spec_decode_num_accepted_tokens_by_constraint_total", constraint=label) == rec["spec_accepted"]
+    assert recs["json_schema"]["spec_accepted"] > 0 and recs[None]["spec_accepted"] > 0  # drafts accepted both ways
+    for split, kinds in (("constrained", ("json_schema", "tools")), ("plain", (None,))):
+        for col in ("rounds", "drafted", "accepted", "emitted"):
+            assert acc[split][col] == sum(recs[k][f"spec_{col}"] for k in kinds), (split, col)
+    assert d("sparkgate:grammar_mask_time_per_output_token_seconds_count", constraint="json_schema") == 1
+    assert d("sparkgate:grammar_mask_time_per_output_token_seconds_sum", constraint="tools") == pytest.approx(
+        recs["tools"]["mask_ms_per_token"] / 1000)
+    print({k: (r["mask_ms_per_token"], r["spec_drafted"], r["spec_accepted"]) for k, r in recs.items()})

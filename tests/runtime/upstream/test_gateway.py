@@ -119,11 +119,12 @@ def _fresh(stack):
 
 
 def record(client: httpx.Client, rid: str) -> dict:
-    """The request record ``rid`` via the admin API, once the writer stored it."""
+    """The final request record ``rid`` via the admin API, once the writer stored it (a
+    ``running`` row is written at admission and replaced when the request ends)."""
     def stored():
         r = client.get(f"/admin/v1/requests/{rid}", headers=ADMIN_H)
         assert r.status_code in (200, 404), r.text
-        return r.json() if r.status_code == 200 else None
+        return r.json() if r.status_code == 200 and r.json()["status"] != "running" else None
     return wait_until(stored, f"the request record {rid}", interval_s=0.05)
 
 

@@ -36,7 +36,8 @@ Errors (the ``code`` of the :class:`~runtime.interface.Failed` event; the gatewa
 Whenever the iterator ends before the server finished (client disconnect: ``aclose()`` or task
 cancellation; or a failure above) the HTTP response is closed, which closes its connection:
 vLLM, SGLang and llama-server abort a request whose client went away. The close runs in a
-task of its own, so it also happens while the consumer's task is being cancelled.
+task of its own, so it also happens while the consumer's task is being cancelled. A stream the
+server finished is read to its end first, so its connection goes back to the pool.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ def create_backend(config) -> Backend:
     """An (unstarted) backend; ``await backend.start()`` loads/connects it.
 
     ``EngineConfig`` → the embedded engine (:class:`runtime.engine.async_engine.AsyncEngine`);
-    ``runtime.sglang.client.SGLangConfig`` → the SGLang client backend.
+    ``runtime.sglang.client.SGLangConfig`` → the SGLang client backend;
+    ``runtime.upstream.config.UpstreamConfig`` → the OpenAI-compatible upstream backend.
 
     Raises:
         TypeError: an unknown config type.
@@ -19,6 +20,12 @@ def create_backend(config) -> Backend:
         from runtime.engine.async_engine import AsyncEngine
 
         return AsyncEngine(config)
+    from runtime.upstream.config import UpstreamConfig
+
+    if isinstance(config, UpstreamConfig):
+        from runtime.upstream.client import OpenAIUpstreamBackend
+
+        return OpenAIUpstreamBackend(config)
     from runtime.sglang.client import SGLangBackend, SGLangConfig
 
     if isinstance(config, SGLangConfig):

@@ -3,7 +3,8 @@
 Example: ``SPARKGATE_PORT=9000 SPARKGATE_CORS_ORIGINS=http://localhost:3000 sparkgate serve``.
 List values accept JSON (``["a","b"]``) or a comma-separated string. Each field of
 :class:`runtime.config.EngineConfig` is the setting of the same name, each field of
-:class:`runtime.sglang.client.SGLangConfig` the setting ``sglang_<field>`` (except
+:class:`runtime.sglang.client.SGLangConfig` the setting ``sglang_<field>`` and each field of
+:class:`runtime.upstream.config.UpstreamConfig` the setting ``upstream_<field>`` (except
 :data:`SHARED`). The table of every ``SPARKGATE_*`` variable, ``docs/configuration.md``, is
 generated from these classes' docstrings (``python -m tests.support.configuration_doc --write``).
 """
@@ -19,8 +20,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.config import EngineConfig
 from runtime.sglang.client import SGLangConfig
+from runtime.upstream.config import UpstreamConfig
 
-#: ``SGLangConfig`` fields taken from the unprefixed setting of the same name.
+#: ``SGLangConfig`` / ``UpstreamConfig`` fields taken from the unprefixed setting of the same name.
 SHARED = ("model_name", "max_context", "request_timeout_s")
 
 
@@ -42,12 +44,13 @@ def _fields_of(config: type, prefix: str = "") -> dict[str, Any]:
 
 
 _Derived = create_model("_Derived", __base__=BaseSettings, **_fields_of(EngineConfig),
-                        **_fields_of(SGLangConfig, "sglang_"))
+                        **_fields_of(SGLangConfig, "sglang_"), **_fields_of(UpstreamConfig, "upstream_"))
 
 
 class Settings(_Derived):
     """Every knob of the gateway and of the backend it builds: the embedded engine's
-    (:class:`EngineConfig`'s fields) or SGLang's (``sglang_`` + :class:`SGLangConfig`'s).
+    (:class:`EngineConfig`'s fields), SGLang's (``sglang_`` + :class:`SGLangConfig`'s) or the
+    OpenAI-compatible upstreams' (``upstream_`` + :class:`UpstreamConfig`'s).
 
     Attributes:
         host, port: where ``sparkgate serve`` listens.
@@ -91,8 +94,10 @@ class Settings(_Derived):
         shutdown_timeout_s: on SIGTERM, ``sparkgate serve`` stops accepting and lets
             in-flight requests finish for at most this long (uvicorn
             ``timeout_graceful_shutdown``), then flushes request records and exits.
-        backend: ``embedded`` (this process's engine) or ``sglang`` (stream from SGLang
-            servers, see docs/deploy-gpu.md); the ``sglang_*`` fields configure the latter.
+        backend: ``embedded`` (this process's engine), ``sglang`` (stream from SGLang servers'
+            native API, see docs/deploy-gpu.md; the ``sglang_*`` fields) or ``openai`` (stream
+            from OpenAI-compatible servers' ``/v1/completions``: vLLM, SGLang, llama-server, see
+            docs/deploy.md; the ``upstream_*`` fields).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPARKGATE_", env_file=".env", extra="ignore")
@@ -122,15 +127,17 @@ class Settings(_Derived):
     admission_step_s: float = 0.02
     max_body_bytes: int = 2_000_000
     shutdown_timeout_s: float = 30.0
-    backend: Literal["embedded", "sglang"] = "embedded"
+    backend: Literal["embedded", "sglang", "openai"] = "embedded"
     # Derived fields the gateway narrows: the dtypes the engine accepts, start-up profiling on
     # when serving, no negative cache, URLs as a comma-separated list.
     dtype: Literal["auto", "gguf", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)
     sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SGLangConfig.urls))
+    upstream_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(UpstreamConfig.urls))
+    upstream_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
-    @field_validator("cors_origins", "sglang_urls", mode="before")
+    @field_validator("cors_origins", "sglang_urls", "upstream_urls", "upstream_keys", mode="before")
     @classmethod
     def _split_origins(cls, value: object) -> object:
         if isinstance(value, str):
@@ -146,11 +153,15 @@ class Settings(_Derived):
         """The :class:`EngineConfig` for the embedded engine: the settings of its fields."""
         return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
-    def backend_config(self) -> EngineConfig | SGLangConfig:
-        """:class:`EngineConfig` (embedded) or :class:`SGLangConfig` (``sglang_<field>``,
-        the :data:`SHARED` ones unprefixed)."""
-        if self.backend != "sglang":
-            return self.engine_config()
-        values = {f.name: getattr(self, f.name if f.name in SHARED else f"sglang_{f.name}")
-                  for f in fields(SGLangConfig)}
-        return SGLangConfig(**values | {"urls": tuple(self.sglang_urls)})
+    def backend_config(self) -> EngineConfig | SGLangConfig | UpstreamConfig:
+        """:class:`EngineConfig` (embedded), :class:`SGLangConfig` (``sglang_<field>``) or
+        :class:`UpstreamConfig` (``upstream_<field>``; the :data:`SHARED` ones unprefixed)."""
+        if self.backend == "sglang":
+            values = {f.name: getattr(self, f.name if f.name in SHARED else f"sglang_{f.name}")
+                      for f in fields(SGLangConfig)}
+            return SGLangConfig(**values | {"urls": tuple(self.sglang_urls)})
+        if self.backend == "openai":
+            values = {f.name: getattr(self, f.name if f.name in SHARED else f"upstream_{f.name}")
+                      for f in fields(UpstreamConfig)}
+            return UpstreamConfig(**values | {"urls": tuple(self.upstream_urls), "keys": tuple(self.upstream_keys)})
+        return self.engine_config()

@@ -98,6 +98,30 @@ def server_error(message: str, code: str | None = "engine_error") -> APIError:
     return APIError(500, message, SERVER_ERROR, None, code)
 
 
+#: The status of a runtime failure of a backend that streams from upstream servers, by the
+#: ``Failed.code`` it reports (``runtime/upstream/client.py``, ``runtime/sglang/client.py``): the
+#: upstream answered wrongly (502 Bad Gateway), none is reachable (503, ``retry-after``), it did
+#: not answer in time (504 Gateway Timeout). Other codes are the gateway's own failures (500).
+UPSTREAM_STATUS = {
+    "upstream_error": 502,
+    "upstream_rejected": 502,
+    "upstream_disconnected": 502,
+    "upstream_protocol_error": 502,
+    "upstream_unavailable": 503,
+    "upstream_timeout": 504,
+}
+UPSTREAM_RETRY_AFTER_S = 5.0
+
+
+def runtime_failure(message: str, code: str | None) -> APIError:
+    """The error for a backend's ``Failed`` event: 502/503/504 for the ``upstream_*`` codes of
+    :data:`UPSTREAM_STATUS` (503 with ``retry-after``), else 500 ``server_error``."""
+    status = UPSTREAM_STATUS.get(code or "")
+    if status == 503:
+        return overloaded(message, UPSTREAM_RETRY_AFTER_S, code=code)
+    return APIError(status or 500, message, SERVER_ERROR, None, code)
+
+
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 

@@ -17,7 +17,6 @@ Contract with the HTTP layer:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -27,9 +26,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.core.errors import (
-    APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, server_error,
+    APIError, SERVER_ERROR, error_body, invalid_request, model_not_ready, overloaded, runtime_failure, server_error,
 )
-from gateway.openai.formatters import Formatter
+from gateway.openai.formatters import Formatter, sse
 from gateway.observability.observe import REJECTED, RequestContext, RequestObserver, RequestOutcome, notify, observed
 from runtime.interface import (
     Backend, Event, Failed, Finished, FinishReason, GenerationRequest, GrammarError, QueueFullError, TextDelta,
@@ -48,11 +47,6 @@ class ClientDisconnected(APIError):
 
     def __init__(self) -> None:
         super().__init__(499, "Client closed the request", code="client_closed_request")
-
-
-def sse(payload: dict) -> bytes:
-    """One SSE event: ``data: <compact json>\\n\\n`` (UTF-8, non-ASCII kept as is)."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
@@ -88,9 +82,10 @@ async def close_events(events: object) -> None:
 
 
 def failure_error(event: Failed | Finished) -> APIError:
-    """500 ``server_error`` for a :class:`Failed` event (or an abnormal ``Finished``)."""
+    """The error for a :class:`Failed` event: 500 ``server_error``, or 502/503/504 for a failed
+    upstream (:func:`gateway.core.errors.runtime_failure`); 500 for an abnormal ``Finished``."""
     if isinstance(event, Failed):
-        return server_error(event.message or "The engine failed while generating.", event.code)
+        return runtime_failure(event.message or "The engine failed while generating.", event.code)
     return server_error(f"The request ended with finish_reason '{event.finish_reason.value}'.",
                         "request_aborted")
 
@@ -164,7 +159,8 @@ async def start_generation(
     Raises:
         APIError: 503 ``model_not_ready`` / ``queue_full`` (with ``retry-after``), 400 when the
             backend refuses the response format (:func:`grammar_error`), 500 when the engine
-            fails or aborts before the first token, 499 when the client left.
+            fails or aborts before the first token (502/503/504 for a failed upstream,
+            :func:`failure_error`), 499 when the client left.
     """
     if not backend.ready():
         raise model_not_ready()
@@ -199,7 +195,8 @@ async def collect(stream: EventStream, request: Request) -> tuple[str, Finished,
     (``logprobs``: all tokens' entries in order, ``None`` when no delta carried any).
 
     Raises:
-        APIError: 500 on ``Failed``/abnormal finish, 499 when the client left (aborted).
+        APIError: 500 on ``Failed``/abnormal finish (502/503/504 for a failed upstream,
+            :func:`failure_error`), 499 when the client left (aborted).
     """
 
     async def run() -> tuple[str, Finished, list[TokenLogprob] | None]:
@@ -236,8 +233,9 @@ async def sse_events(
         async for event in stream:
             if isinstance(event, TextDelta):
                 if event.text or event.logprobs:
-                    for payload in fmt.delta(event.text, event.logprobs):
-                        yield sse(payload)
+                    data = fmt.delta_sse(event.text, event.logprobs)
+                    if data:
+                        yield data
             elif is_normal_finish(event):
                 for payload in fmt.finish(event):
                     yield sse(payload)

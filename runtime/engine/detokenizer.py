@@ -365,3 +365,16 @@ class GatewayTokenization:
 
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         return token_bytes(self._tokenizer, token_ids)
+
+
+def load_tokenizer(path: str | None):
+    """``transformers.AutoTokenizer`` of ``path`` (a local dir or hub id; ``None`` → the
+    converted embedded model, :func:`runtime.models.loader.ensure_converted`): the tokenizer a
+    backend serving remotely templates and counts with (:class:`GatewayTokenization`)."""
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from runtime.models.loader import ensure_converted
+
+        path = str(ensure_converted())
+    return AutoTokenizer.from_pretrained(str(path))

@@ -3,8 +3,8 @@
 Modules:
     client:  :class:`SGLangBackend`, the :class:`runtime.interface.Backend` over SGLang's
              native ``/generate`` API (httpx, SSE streaming), and :class:`SGLangConfig`.
-    router:  :class:`UpstreamRouter`: health checks and least-loaded routing over
-             several SGLang servers.
+    router:  :class:`SGLangRouter`: :class:`runtime.upstream.router.UpstreamRouter` (health
+             checks, least-loaded routing) plus SGLang's ``/v1/loads`` report.
     launch:  the ``sglang-launch`` wrapper (stdlib only): installs the SLA plugin into
              SGLang's Python environment and execs ``python -m sglang.launch_server``.
     plugin:  the SLA plugin that runs *inside* SGLang's scheduler processes (stdlib only).
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["SGLangBackend", "SGLangConfig", "UpstreamRouter", "Upstream", "NoHealthyUpstream"]
+__all__ = ["SGLangBackend", "SGLangConfig", "SGLangRouter"]
 
 _LAZY = {
     "SGLangBackend": "runtime.sglang.client",
     "SGLangConfig": "runtime.sglang.client",
-    "UpstreamRouter": "runtime.sglang.router",
-    "Upstream": "runtime.sglang.router",
-    "NoHealthyUpstream": "runtime.sglang.router",
+    "SGLangRouter": "runtime.sglang.router",
 }
 
 

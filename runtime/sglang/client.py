@@ -111,11 +111,11 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 import httpx
 
-from runtime.engine.detokenizer import GatewayTokenization, drop_incomplete_tail
+from runtime.engine.detokenizer import GatewayTokenization, load_tokenizer
 from runtime.engine.grammar import check_format, to_prefix_items
 from runtime.engine.tool_grammar import json_schema_contents, reply_content, structural_tag
 from runtime.interface import (
@@ -132,16 +132,17 @@ from runtime.interface import (
     ResponseFormat,
     SpecInfo,
     SpecStats,
-    TextDelta,
 )
-from runtime.sglang.router import NoHealthyUpstream, Upstream, UpstreamRouter
+from runtime.sglang.router import SGLangRouter
+from runtime.upstream.assembler import ProtocolError, StreamAssembler
+from runtime.upstream.http import BUSY_STATUS, error_message, retry_after
+from runtime.upstream.router import NoHealthyUpstream, Upstream
 from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
 log = logging.getLogger(__name__)
 
 SLA_TARGET_KEY = "sparkgate_sla_target_tokens_per_s"
 SLA_MAX_WEIGHT_KEY = "sparkgate_sla_max_weight"
-BUSY_STATUS = (429, 503)
 
 
 @dataclass
@@ -342,162 +343,6 @@ def spec_info_from_server_info(info: dict[str, Any]) -> SpecInfo:
     return SpecInfo(method=str(algo).lower(), block_size=gamma)
 
 
-class ProtocolError(ValueError):
-    """An SGLang chunk does not follow the 0.5.23 streaming protocol."""
-
-
-class StreamAssembler:
-    """Turns SGLang stream chunks into text deltas (cumulative or incremental chunks),
-    holding back text that could still become a stop string.
-
-    SGLang's detokenizer holds back a trailing U+FFFD while streaming but renders an
-    incomplete last character as U+FFFD in the final chunk (a ``max_tokens`` cut inside
-    an emoji). As in the embedded engine (:mod:`runtime.engine.detokenizer`), that
-    U+FFFD is dropped when the bytes of the last ``output_ids`` end in an incomplete
-    UTF-8 character (needs ``tokenizer`` and ``output_ids``); a complete U+FFFD is kept.
-
-    Args:
-        stop: the request's stop strings.
-        incremental: chunk mode; ``None`` → detect (the first chunk reads the same in
-            both modes; a later one is cumulative when ``len(output_ids) ==
-            completion_tokens``, incremental when it equals the new-token count, and
-            otherwise cumulative iff its text extends the text so far).
-        tokenizer: the model's tokenizer, for the bytes of the last tokens (``None``:
-            the final text is released as SGLang sent it).
-    """
-
-    TAIL_IDS = 8  # last tokens whose bytes decide whether the final character is incomplete
-
-    def __init__(self, stop: Sequence[str] = (), incremental: bool | None = None, tokenizer=None) -> None:
-        self.stop = tuple(s for s in stop if s)
-        self.incremental = incremental
-        self.tokenizer = tokenizer
-        self.text = ""
-        self.ids: list[int] = []
-        self.completion_tokens = 0
-        self.chunks = 0
-        self.sent_chars = 0
-        self.sent_tokens = 0
-        self.sent_ids = 0
-
-    def _is_incremental(self, text: str, ids: list | None, completion_tokens: int) -> bool:
-        if self.incremental is not None:
-            return self.incremental
-        if self.chunks == 0:
-            return False  # identical either way; decide on a later chunk
-        new = completion_tokens - self.completion_tokens
-        decided: bool | None = None
-        if ids is not None:
-            if len(ids) == completion_tokens and len(ids) != new:
-                decided = False
-            elif len(ids) == new and len(ids) != completion_tokens:
-                decided = True
-        if decided is None:
-            decided = not (text.startswith(self.text) and len(text) >= len(self.text))
-        self.incremental = decided
-        return decided
-
-    def feed(self, text: str, ids: list | None, completion_tokens: int) -> None:
-        """Add one chunk's ``text``, ``output_ids`` and ``meta_info.completion_tokens``.
-
-        Raises:
-            ProtocolError: a cumulative chunk that does not extend the text so far.
-        """
-        if self._is_incremental(text, ids, completion_tokens):
-            self.text += text
-            if ids:
-                self.ids.extend(ids)
-        else:
-            if not text.startswith(self.text):
-                raise ProtocolError("cumulative chunk text does not extend the previous text")
-            self.text = text
-            if ids is not None:
-                self.ids = list(ids)
-        self.completion_tokens = max(self.completion_tokens, completion_tokens)
-        self.chunks += 1
-
-    def _first_stop(self, matched: str | None) -> int | None:
-        stops = self.stop + ((matched,) if matched else ())
-        if not stops:
-            return None
-        longest = max(len(s) for s in stops)
-        start = max(0, self.sent_chars - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _holdback(self, stops: Sequence[str]) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop."""
-        best = 0
-        for s in stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def release(self, final: bool = False, matched: str | None = None) -> TextDelta | None:
-        """The next delta, or ``None`` when nothing can be released yet.
-
-        With ``final`` everything left is released, cut at the first stop string or
-        ``matched`` (the stop string SGLang reports in ``finish_reason.matched``). When
-        ``matched`` is no longer in the text, SGLang trimmed it but kept the part it had
-        already streamed: that trailing prefix of ``matched`` is dropped too; without a
-        stop, so is the U+FFFD of an incomplete last character (see the class docstring).
-        """
-        end = len(self.text)
-        cut = self._first_stop(matched if final else None)
-        if cut is not None:
-            end = cut
-        elif not final:
-            end -= self._holdback(self.stop)
-        elif matched:
-            end -= self._holdback((matched,))
-        elif self.tokenizer is not None and self.ids:
-            end = len(drop_incomplete_tail(self.text, self.tokenizer, self.ids[-self.TAIL_IDS:]))
-        end = max(end, self.sent_chars)
-        text = self.text[self.sent_chars:end]
-        if not text and not final:
-            return None
-        self.sent_chars = end
-        delta = TextDelta(text, self.completion_tokens - self.sent_tokens, self.ids[self.sent_ids:])
-        self.sent_tokens = self.completion_tokens
-        self.sent_ids = len(self.ids)
-        return delta if (text or delta.num_tokens) else None
-
-
-def load_tokenizer(path: str | None):
-    """``transformers.AutoTokenizer`` of ``path`` (``None`` → the converted embedded model)."""
-    from transformers import AutoTokenizer
-
-    if path is None:
-        from runtime.models.loader import ensure_converted
-
-        path = str(ensure_converted())
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _error_message(body: bytes) -> str:
-    """Best-effort message from an SGLang/FastAPI error body."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace")[:500]
-    if isinstance(data, dict):
-        err = data.get("error", data.get("detail", data.get("message")))
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        if err is not None:
-            return str(err)
-    return str(data)[:500]
-
-
-def _retry_after(resp: httpx.Response, default: float) -> float:
-    try:
-        return max(0.0, float(resp.headers.get("retry-after", default)))
-    except ValueError:
-        return default
-
-
 class _Busy(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
@@ -516,8 +361,8 @@ class SGLangBackend(GatewayTokenization):
     def __init__(self, config: SGLangConfig, *, tokenizer: Any = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
-        self.router = UpstreamRouter(config.urls, health_path=config.health_path,
-                                     health_timeout_s=config.health_timeout_s)
+        self.router = SGLangRouter(config.urls, health_path=config.health_path,
+                                   health_timeout_s=config.health_timeout_s)
         self._tokenizer = tokenizer
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -654,9 +499,9 @@ class SGLangBackend(GatewayTokenization):
                 body = await resp.aread()
             finally:
                 await resp.aclose()
-            message = f"SGLang {upstream.url} answered HTTP {resp.status_code}: {_error_message(body)}"
+            message = f"SGLang {upstream.url} answered HTTP {resp.status_code}: {error_message(body)}"
             if resp.status_code in BUSY_STATUS:
-                busy = _Busy(message, _retry_after(resp, self.config.retry_after_s))
+                busy = _Busy(message, retry_after(resp, self.config.retry_after_s))
                 continue
             raise _Failure(Failed(message, code="upstream_error"))
 

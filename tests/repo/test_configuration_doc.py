@@ -19,6 +19,7 @@ import pytest
 from gateway.core.config import SHARED, Settings
 from runtime.config import EngineConfig
 from runtime.sglang.client import SGLangConfig
+from runtime.upstream.config import UpstreamConfig
 from tests.support.configuration_doc import DOC, REGENERATE, markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,18 @@ def test_every_sglang_field_is_a_setting_that_reaches_the_sglang_config(clean_en
     config = Settings(_env_file=None).backend_config()
     assert config == SGLangConfig(**expected | {"urls": ("http://a:1", "http://b:2")})
     assert config.max_context == Settings(_env_file=None).engine_config().max_context == 3 + 2048
+
+
+def test_every_upstream_field_is_a_setting_that_reaches_the_upstream_config(clean_env):
+    """Each ``UpstreamConfig`` field is read from ``SPARKGATE_UPSTREAM_<FIELD>`` (the shared
+    ones unprefixed), URLs and keys as comma lists, with ``SPARKGATE_BACKEND=openai``."""
+    expected = _set_all(clean_env, UpstreamConfig, "upstream_")
+    clean_env.setenv("SPARKGATE_UPSTREAM_URLS", "http://a:1, http://b:2")
+    clean_env.setenv("SPARKGATE_UPSTREAM_KEYS", "sk-a,sk-b")
+    clean_env.setenv("SPARKGATE_BACKEND", "openai")
+    config = Settings(_env_file=None).backend_config()
+    assert config == UpstreamConfig(**expected | {"urls": ("http://a:1", "http://b:2"), "keys": ("sk-a", "sk-b")})
+    assert config.max_context == 3 + 2048 and config.request_timeout_s == 600.25
 
 
 def test_configuration_doc_is_generated_from_the_code():

@@ -311,10 +311,10 @@ def test_worker_killed_mid_stream_then_survivor_then_rejoin(cluster, capsys):
 def test_no_worker_left_is_a_clean_503_and_readyz_follows(cluster, capsys):
     """Both workers down. Before the router knows (health check not failed yet) it forwards to a
     dead worker, retries, and answers HTTP 500 ``call_upstream_request_error`` → the gateway's
-    OpenAI-shaped 500 ``upstream_error``; once its circuit breaker opened (failed attempts,
+    OpenAI-shaped 502 ``upstream_error``; once its circuit breaker opened (failed attempts,
     ``--cb-failure-threshold``) or the health check failed: 503 ``no_available_workers`` → the
     gateway's 503 ``queue_full`` with ``Retry-After``, and when the gateway's own probe of
-    ``/readiness`` failed, 503 ``model_not_ready`` and ``/readyz`` 503. No 500 after the first
+    ``/readiness`` failed, 503 ``model_not_ready`` and ``/readyz`` 503. No 502 after the first
     503. Both back → ``/readyz`` 200, and requests served once the open circuits half-open
     (503 ``queue_full`` until then)."""
     ports = [int(w.url.rsplit(":", 1)[1]) for w in cluster.workers]
@@ -328,14 +328,14 @@ def test_no_worker_left_is_a_clean_503_and_readyz_follows(cluster, capsys):
         r = cluster.chat()
         message = assert_openai_error(r.json(), r.json()["error"]["code"])
         seen.append((r.status_code, r.json()["error"]["code"]))
-        if r.status_code == 500:
-            assert seen[-1] == (500, "upstream_error") and "error sending request" in message
+        if r.status_code == 502:
+            assert seen[-1] == (502, "upstream_error") and "error sending request" in message
         else:
             assert r.status_code == 503 and r.headers["retry-after"], r.text
             assert seen[-1][1] in ("queue_full", "model_not_ready")
     statuses = [status for status, _ in seen]
     if 503 in statuses:
-        assert 500 not in statuses[statuses.index(503):]
+        assert 502 not in statuses[statuses.index(503):]
     r = cluster.chat(stream=True)
     assert r.status_code == 503 and r.headers["retry-after"]
     assert_openai_error(r.json(), "model_not_ready")

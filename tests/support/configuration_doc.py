@@ -2,7 +2,7 @@
 
 Sources: the fields of :class:`gateway.core.config.Settings` (types and defaults from pydantic,
 meanings from the ``Attributes:`` docstrings of ``Settings``, ``EngineConfig`` and
-``SGLangConfig``), the runtime's :data:`runtime.config.ENV`, the SGLang plugin's
+``SGLangConfig``, ``UpstreamConfig``), the runtime's :data:`runtime.config.ENV`, the SGLang plugin's
 :data:`runtime.sglang.plugin.sla_hook.ENV`, and :data:`DEV_ENV` below. Regenerate::
 
     .venv/bin/python -m tests.support.configuration_doc --write
@@ -23,6 +23,7 @@ from runtime import config as runtime_config
 from runtime.config import EngineConfig
 from runtime.sglang.client import SGLangConfig
 from runtime.sglang.plugin import sla_hook
+from runtime.upstream.config import UpstreamConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = ".venv/bin/python -m tests.support.configuration_doc --write"
@@ -65,12 +66,14 @@ def _shown(default: object) -> str:
 
 
 def _settings_rows() -> dict[str, list[tuple]]:
-    """Rows ``(name, type, default, meaning)`` of the settings: gateway, engine, SGLang."""
-    docs = attribute_docs(EngineConfig, Settings) | {f"sglang_{k}": v for k, v in attribute_docs(SGLangConfig).items()}
+    """Rows ``(name, type, default, meaning)`` of the settings: gateway, engine, SGLang, upstream."""
+    docs = (attribute_docs(EngineConfig, Settings) | {f"sglang_{k}": v for k, v in attribute_docs(SGLangConfig).items()}
+            | {f"upstream_{k}": v for k, v in attribute_docs(UpstreamConfig).items()})
     engine = {f.name for f in fields(EngineConfig)}
-    rows: dict[str, list[tuple]] = {"gateway": [], "engine": [], "sglang": []}
+    rows: dict[str, list[tuple]] = {"gateway": [], "engine": [], "sglang": [], "upstream": []}
     for name, info in Settings.model_fields.items():
-        group = "engine" if name in engine else "sglang" if name.startswith("sglang_") else "gateway"
+        group = ("engine" if name in engine else "sglang" if name.startswith("sglang_")
+                 else "upstream" if name.startswith("upstream_") else "gateway")
         kind = info.annotation.__name__ if type(info.annotation) is type else info.annotation
         default = (default_database_url.__doc__.split("``")[1] if info.default_factory is default_database_url
                    else info.get_default(call_default_factory=True))  # no machine path in the docs
@@ -83,7 +86,9 @@ def markdown() -> str:
     rows = _settings_rows()
     groups = [("Gateway (`gateway.core.config.Settings`; also read from `.env`)", rows["gateway"]),
               ("Embedded engine (`runtime.config.EngineConfig`'s fields)", rows["engine"]),
-              ("SGLang backend (`runtime.sglang.client.SGLangConfig`'s fields)", rows["sglang"])]
+              ("SGLang backend (`runtime.sglang.client.SGLangConfig`'s fields)", rows["sglang"]),
+              ("OpenAI-compatible upstream backend (`runtime.upstream.config.UpstreamConfig`'s fields)",
+               rows["upstream"])]
     for title, table in [("Read by the runtime itself, also without the gateway (`runtime.config.ENV`)", runtime_config.ENV),
                          ("In the SGLang servers' environment: the SLA plugin (`runtime.sglang.plugin.sla_hook.ENV`)",
                           sla_hook.ENV), ("Development and tests only (`tests/support/configuration_doc.py`)", DEV_ENV)]:

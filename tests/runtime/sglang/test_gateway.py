@@ -370,13 +370,13 @@ def assert_spec_counters_moved(before: dict, after: dict, rec: dict) -> None:
 # -- upstream errors → OpenAI errors -----------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_upstream_http_500_is_an_openai_server_error(stack, stream):
+def test_upstream_http_500_is_an_openai_bad_gateway_error(stack, stream):
     stack.standin.fail_status = 500
     with stack.client() as c:
         before = scrape(c)
         r = c.post("/v1/chat/completions", json=chat(stream), headers=stack.auth)
         # the first event is awaited before any byte is sent, so even a stream gets a real status
-        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert r.status_code == 502 and r.headers["content-type"] == "application/json"
         message = assert_openai_error(r.json(), "upstream_error")
         after = scrape(c)
         rid = stack.standin.requests[0]["rid"]
@@ -420,11 +420,11 @@ def test_error_after_streaming_began_is_an_sse_error_event_then_done(stack):
     assert stack.standin.aborts == []  # SGLang ended the request itself
 
 
-def test_error_mid_generation_without_stream_is_500(stack):
+def test_error_mid_generation_without_stream_is_502(stack):
     stack.standin.error_after = 2
     with stack.client() as c:
         r = c.post("/v1/chat/completions", json=chat(False), headers=stack.auth)
-    assert r.status_code == 500
+    assert r.status_code == 502
     assert "stand-in error" in assert_openai_error(r.json(), "upstream_error")
 
 
@@ -437,7 +437,7 @@ def test_unreachable_upstream_fails_then_gateway_is_not_ready(stack):
         upstream.url = closed_port_url()  # the SGLang server vanished; the health probe has not noticed
         with stack.client() as c:
             r = c.post("/v1/chat/completions", json=chat(False), headers=stack.auth)
-            assert r.status_code == 500
+            assert r.status_code == 503 and r.headers["retry-after"] == "5"
             message = assert_openai_error(r.json(), "upstream_unavailable")
             assert "no healthy SGLang upstream" in message and "ConnectError" in message
             assert not upstream.healthy  # the failed connect took it out of rotation

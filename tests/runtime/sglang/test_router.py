@@ -1,4 +1,4 @@
-"""UpstreamRouter: pick order (in-flight, then server load, then round-robin), health
+"""SGLangRouter (runtime.upstream.router.UpstreamRouter + /v1/loads): pick order (in-flight, then server load, then round-robin), health
 probes marking upstreams out and back in, /v1/loads parsing, the periodic loop."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from runtime.sglang.router import NoHealthyUpstream, UpstreamRouter
+from runtime.sglang.router import SGLangRouter as UpstreamRouter
+from runtime.upstream.router import NoHealthyUpstream
 from tests.support.polling import async_wait_until
 from tests.support.sglang_standin import StandinServer, closed_port_url
 

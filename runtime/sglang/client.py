@@ -135,7 +135,8 @@ from runtime.interface import (
 )
 from runtime.sglang.router import SGLangRouter
 from runtime.upstream.assembler import ProtocolError, StreamAssembler
-from runtime.upstream.http import BUSY_STATUS, error_message, retry_after
+from runtime.upstream.failover import OpenFailure, open_stream
+from runtime.upstream.http import BUSY_STATUS
 from runtime.upstream.router import NoHealthyUpstream, Upstream
 from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
@@ -343,12 +344,6 @@ def spec_info_from_server_info(info: dict[str, Any]) -> SpecInfo:
     return SpecInfo(method=str(algo).lower(), block_size=gamma)
 
 
-class _Busy(Exception):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
 class SGLangBackend(GatewayTokenization):
     """:class:`runtime.interface.Backend` streaming from SGLang servers (module docstring).
 
@@ -458,52 +453,19 @@ class SGLangBackend(GatewayTokenization):
 
     # -- streaming ------------------------------------------------------------------
     async def _open(self, payload: dict) -> tuple[Upstream, httpx.Response]:
-        """POST ``/generate`` to the least-loaded healthy upstream, failing over on
-        connection errors and busy answers. The returned upstream is acquired.
+        """POST ``/generate`` (:func:`runtime.upstream.failover.open_stream`); cancelled or
+        failed before the headers, the request is aborted on that upstream."""
 
-        Raises:
-            QueueFullError: every reachable upstream is busy (429/503 or at its cap).
-            NoHealthyUpstream: none is reachable.
-            _Failure: a non-retryable HTTP error (carries the Failed event).
-        """
-        tried: list[Upstream] = []
-        busy: _Busy | None = None
-        cap = self.config.max_in_flight_per_upstream
-        while True:
-            try:
-                upstream = self.router.pick(exclude=tried)
-            except NoHealthyUpstream:
-                if busy is not None:
-                    raise QueueFullError(str(busy), busy.retry_after_s) from None
-                raise
-            tried.append(upstream)
-            if cap is not None and upstream.in_flight >= cap:
-                busy = _Busy(f"all SGLang upstreams are at {cap} in-flight requests", self.config.retry_after_s)
-                continue
-            self.router.acquire(upstream)
-            try:
-                req = self._client.build_request("POST", upstream.url + "/generate", json=payload)
-                resp = await self._client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                self.router.release(upstream)
-                self.router.mark_down(upstream, f"/generate: {type(exc).__name__}: {exc}")
-                continue
-            except BaseException:  # cancelled while waiting for the headers
-                self.router.release(upstream)
-                self._spawn(self._abandon(upstream, None, str(payload.get("rid")), abort=True))
-                raise
-            if resp.status_code == 200:
-                return upstream, resp
-            self.router.release(upstream)
-            try:
-                body = await resp.aread()
-            finally:
-                await resp.aclose()
-            message = f"SGLang {upstream.url} answered HTTP {resp.status_code}: {error_message(body)}"
-            if resp.status_code in BUSY_STATUS:
-                busy = _Busy(message, retry_after(resp, self.config.retry_after_s))
-                continue
-            raise _Failure(Failed(message, code="upstream_error"))
+        def send(upstream: Upstream):
+            return self._client.send(self._client.build_request("POST", upstream.url + "/generate", json=payload),
+                                     stream=True)
+
+        def send_error(upstream: Upstream, exc: BaseException) -> None:
+            self._spawn(self._abandon(upstream, None, str(payload.get("rid")), abort=True))
+
+        return await open_stream(self.router, send, path="/generate", server="SGLang", pool="SGLang upstreams",
+                                 cap=self.config.max_in_flight_per_upstream, retry_after_s=self.config.retry_after_s,
+                                 on_send_error=send_error)
 
     def _spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` as a task that outlives a cancelled caller (kept until done)."""
@@ -555,7 +517,7 @@ class SGLangBackend(GatewayTokenization):
             code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
             yield Failed(str(exc), code=code, prompt_tokens=prompt_len, timings=timings)
             return
-        except _Failure as exc:
+        except OpenFailure as exc:
             timings.finished = time.monotonic()
             exc.event.prompt_tokens, exc.event.timings = prompt_len, timings
             yield exc.event
@@ -685,9 +647,3 @@ class SGLangBackend(GatewayTokenization):
                 pass
 
 
-class _Failure(Exception):
-    """A terminal :class:`Failed` found while opening the stream."""
-
-    def __init__(self, event: Failed) -> None:
-        super().__init__(event.message)
-        self.event = event

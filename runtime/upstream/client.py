@@ -67,7 +67,8 @@ from runtime.interface import (
 from runtime.upstream.assembler import ProtocolError, StreamAssembler
 from runtime.upstream.chunks import UpstreamStreamError, parse_chunk
 from runtime.upstream.config import UpstreamConfig
-from runtime.upstream.http import BUSY_STATUS, error_message, retry_after
+from runtime.upstream.failover import OpenFailure, open_stream
+from runtime.upstream.http import BUSY_STATUS
 from runtime.upstream.payload import build_completions_payload
 from runtime.upstream.router import NoHealthyUpstream, Upstream, UpstreamRouter
 
@@ -76,20 +77,6 @@ log = logging.getLogger(__name__)
 LABEL = "OpenAI-compatible"
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 DRAIN_TIMEOUT_S = 1.0
-
-
-class _Failure(Exception):
-    """A terminal :class:`Failed` found while opening the stream."""
-
-    def __init__(self, event: Failed) -> None:
-        super().__init__(event.message)
-        self.event = event
-
-
-class _Busy(Exception):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
@@ -195,66 +182,32 @@ class OpenAIUpstreamBackend(GatewayTokenization):
 
     # -- opening --------------------------------------------------------------------
     async def _open(self, payload: dict, read_timeout: float) -> tuple[Upstream, httpx.Response]:
-        """POST ``/v1/completions`` to the least-loaded healthy upstream, failing over on
-        connection errors and busy answers; ``read_timeout``: the longest wait for the headers
-        and then between two reads (seconds). The returned upstream is acquired.
-
-        Raises:
-            QueueFullError: every reachable upstream is busy (429/503 or at its cap).
-            NoHealthyUpstream: none is reachable.
-            _Failure: a non-retryable failure (carries the Failed event).
-        """
-        tried: list[Upstream] = []
-        busy: _Busy | None = None
-        cap = self.config.max_in_flight_per_upstream
+        """POST ``/v1/completions`` (:func:`runtime.upstream.failover.open_stream`);
+        ``read_timeout``: the longest wait for the headers and then between two reads
+        (seconds). No headers within it → ``upstream_timeout``; another HTTP error →
+        ``upstream_disconnected`` (:class:`OpenFailure`)."""
         body = json.dumps(payload, separators=(",", ":")).encode()
-        while True:
-            try:
-                upstream = self.router.pick(exclude=tried)
-            except NoHealthyUpstream:
-                if busy is not None:
-                    raise QueueFullError(str(busy), busy.retry_after_s) from None
-                raise
-            tried.append(upstream)
-            if cap is not None and upstream.in_flight >= cap:
-                busy = _Busy(f"all {LABEL} upstreams are at {cap} in-flight requests", self.config.retry_after_s)
-                continue
-            self.router.acquire(upstream)
-            try:
-                req = self._client.build_request("POST", upstream.url + "/v1/completions", content=body,
-                                                 headers={"Content-Type": "application/json", **upstream.headers},
-                                                 timeout=httpx.Timeout(read_timeout, connect=self.config.connect_timeout_s))
-                resp = await self._client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                self.router.release(upstream)
-                self.router.mark_down(upstream, f"/v1/completions: {type(exc).__name__}: {exc}")
-                continue
-            except httpx.TimeoutException as exc:
-                self.router.release(upstream)
-                raise _Failure(Failed(f"{LABEL} upstream {upstream.url} sent no response headers within "
-                                      f"{read_timeout:g} s ({type(exc).__name__})",
-                                      code="upstream_timeout")) from None
-            except httpx.HTTPError as exc:
-                self.router.release(upstream)
-                raise _Failure(Failed(f"{LABEL} upstream {upstream.url} failed: {type(exc).__name__}: {exc}",
-                                      code="upstream_disconnected")) from None
-            except BaseException:  # cancelled while waiting for the headers: httpx closed the connection
-                self.router.release(upstream)
-                raise
-            if resp.status_code == 200:
-                return upstream, resp
-            self.router.release(upstream)
-            try:
-                text = await resp.aread()
-            except httpx.HTTPError:
-                text = b""
-            finally:
-                await resp.aclose()
-            message = f"{LABEL} upstream {upstream.url} answered HTTP {resp.status_code}: {error_message(text)}"
-            if resp.status_code in BUSY_STATUS:
-                busy = _Busy(message, retry_after(resp, self.config.retry_after_s))
-                continue
-            raise _Failure(Failed(message, code="upstream_error"))
+        timeout = httpx.Timeout(read_timeout, connect=self.config.connect_timeout_s)
+
+        def send(upstream: Upstream):
+            req = self._client.build_request("POST", upstream.url + "/v1/completions", content=body,
+                                             headers={"Content-Type": "application/json", **upstream.headers},
+                                             timeout=timeout)
+            return self._client.send(req, stream=True)
+
+        def send_error(upstream: Upstream, exc: BaseException) -> None:
+            if isinstance(exc, httpx.TimeoutException):
+                raise OpenFailure(Failed(f"{LABEL} upstream {upstream.url} sent no response headers within "
+                                         f"{read_timeout:g} s ({type(exc).__name__})",
+                                         code="upstream_timeout")) from None
+            if isinstance(exc, httpx.HTTPError):
+                raise OpenFailure(Failed(f"{LABEL} upstream {upstream.url} failed: {type(exc).__name__}: {exc}",
+                                         code="upstream_disconnected")) from None
+            # cancelled while waiting for the headers: httpx closed the connection
+
+        return await open_stream(self.router, send, path="/v1/completions", server=f"{LABEL} upstream",
+                                 pool=f"{LABEL} upstreams", cap=self.config.max_in_flight_per_upstream,
+                                 retry_after_s=self.config.retry_after_s, on_send_error=send_error)
 
     def _spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` as a task that outlives a cancelled caller (kept until done)."""
@@ -306,7 +259,7 @@ class OpenAIUpstreamBackend(GatewayTokenization):
             code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
             yield Failed(str(exc), code=code, prompt_tokens=prompt_len, timings=timings)
             return
-        except _Failure as exc:
+        except OpenFailure as exc:
             timings.finished = time.monotonic()
             exc.event.prompt_tokens, exc.event.timings = prompt_len, timings
             yield exc.event

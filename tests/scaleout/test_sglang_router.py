@@ -39,7 +39,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from gateway.main import create_app
 from runtime.sglang.client import SLA_MAX_WEIGHT_KEY, SLA_TARGET_KEY
@@ -48,6 +47,7 @@ from tests.runtime.sglang.test_gateway import (ADMIN, ADMIN_H, PROMPT_IDS, SLA_M
                                                TIER_PRIORITY, TIER_TARGET_TPS, assert_openai_error, chat, record,
                                                write_tokenizer)
 from tests.support.gateway_fixtures import MODEL, make_settings, parse_sse, sqlite_url
+from tests.support.hardening_util import serve_in_thread
 from tests.support.sglang_standin import SGLangStandin, StandinServer
 
 pytestmark = [pytest.mark.scaleout, pytest.mark.slow]  # the router takes ~1.3 s to register its workers
@@ -136,11 +136,6 @@ def cluster(tmp_path_factory, migrated_template):
         sglang_health_path="/readiness", sglang_health_interval_s=HEALTH_INTERVAL_S, record_flush_interval_s=0.05,
     )
     app = create_app(settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gateway", daemon=True)
     try:
         def router_ready() -> bool:
             assert proc.poll() is None, f"sglang-router exited: {log.read_text()[-2000:]}"
@@ -150,27 +145,15 @@ def cluster(tmp_path_factory, migrated_template):
                 return False
 
         _wait(router_ready, "sglang-router with both workers healthy", timeout=30)
-        thread.start()
-
-        def gateway_ready() -> bool:
-            try:
-                return httpx.get(base + "/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait(gateway_ready, "the gateway's /readyz", timeout=60)
-        with httpx.Client(base_url=base, headers=ADMIN_H, timeout=30) as c:
-            assert c.post("/admin/v1/tiers", json={"name": TIER, "min_tokens_per_s": TIER_TARGET_TPS,
-                                                   "priority": TIER_PRIORITY}).status_code == 201
-            assert c.post("/admin/v1/tenants", json={"name": TENANT, "tier": TIER}).status_code == 201
-            r = c.post("/admin/v1/keys", json={"tenant": TENANT, "user": "alice"})
-            assert r.status_code == 201, r.text
-        yield Cluster(base, router, r.json()["key"], workers, log)
+        with serve_in_thread(app, ready_timeout_s=60, timeout_graceful_shutdown=2) as base:
+            with httpx.Client(base_url=base, headers=ADMIN_H, timeout=30) as c:
+                assert c.post("/admin/v1/tiers", json={"name": TIER, "min_tokens_per_s": TIER_TARGET_TPS,
+                                                       "priority": TIER_PRIORITY}).status_code == 201
+                assert c.post("/admin/v1/tenants", json={"name": TENANT, "tier": TIER}).status_code == 201
+                r = c.post("/admin/v1/keys", json={"tenant": TENANT, "user": "alice"})
+                assert r.status_code == 201, r.text
+            yield Cluster(base, router, r.json()["key"], workers, log)
     finally:
-        server.should_exit = True
-        if thread.is_alive():
-            thread.join(timeout=15)
-        sock.close()
         proc.terminate()
         try:
             proc.wait(10)

@@ -30,8 +30,9 @@ def assert_openai_error_shape(r) -> dict:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, **config):
-    """Yield the base URL of ``app`` under uvicorn (lifespan on); stop it afterwards."""
+def serve_in_thread(app, ready_timeout_s: float = 20, **config):
+    """Yield the base URL of ``app`` under uvicorn (lifespan on) once its ``/readyz`` answers
+    200 (within ``ready_timeout_s``); stop it afterwards. ``config``: more ``uvicorn.Config``."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -39,7 +40,7 @@ def serve_in_thread(app, **config):
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + ready_timeout_s
     while True:
         try:
             if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:

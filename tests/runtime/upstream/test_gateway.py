@@ -21,18 +21,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
-import threading
 from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
 
 from gateway.main import create_app
 from tests.support.gateway_fixtures import MODEL, make_settings, parse_sse, sqlite_url
 from tests.support.openai_upstream import SCRIPT, UpstreamServer
-from tests.support.polling import wait_until
+from tests.support.hardening_util import serve_in_thread
+from tests.support.polling import DEADLINE_S, wait_until
 
 ADMIN = "admin-token-upstream-gateway"
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
@@ -82,31 +80,15 @@ def stack(tmp_path_factory, migrated_template, model_dir):
         upstream_read_timeout_s=READ_TIMEOUT_S, record_flush_interval_s=0.05,
     )
     app = create_app(settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gateway", daemon=True)
-    thread.start()
-
-    def ready() -> bool:
-        try:
-            return httpx.get(base + "/readyz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(ready, "the gateway's /readyz")
-        with httpx.Client(base_url=base, headers=ADMIN_H, timeout=30) as c:
-            assert c.post("/admin/v1/tiers", json={"name": TIER, "priority": TIER_PRIORITY}).status_code == 201
-            assert c.post("/admin/v1/tenants", json={"name": TENANT, "tier": TIER}).status_code == 201
-            r = c.post("/admin/v1/keys", json={"tenant": TENANT, "user": "alice"})
-            assert r.status_code == 201, r.text
-        yield Stack(base, app, r.json()["key"], ups, str(model_dir))
+        with serve_in_thread(app, ready_timeout_s=DEADLINE_S, timeout_graceful_shutdown=2) as base:
+            with httpx.Client(base_url=base, headers=ADMIN_H, timeout=30) as c:
+                assert c.post("/admin/v1/tiers", json={"name": TIER, "priority": TIER_PRIORITY}).status_code == 201
+                assert c.post("/admin/v1/tenants", json={"name": TENANT, "tier": TIER}).status_code == 201
+                r = c.post("/admin/v1/keys", json={"tenant": TENANT, "user": "alice"})
+                assert r.status_code == 201, r.text
+            yield Stack(base, app, r.json()["key"], ups, str(model_dir))
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
         for u in ups:
             u.stop()
     assert app.state.backend._client is None  # the lifespan stopped the backend

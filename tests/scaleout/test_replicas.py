@@ -21,16 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -40,93 +35,17 @@ from gateway.db.migrate import upgrade
 from tests.conftest import require_or_skip
 from tests.runtime.sglang.test_gateway import write_tokenizer
 from tests.support.gateway_fixtures import MODEL
+from tests.support.polling import wait_until
+from tests.support.scaleout import Balancer, Replica, fetch_records, replica_env
 from tests.support.sglang_standin import StandinServer
 from tests.support.tenancy_fixtures import new_pg_database
 
 pytestmark = [pytest.mark.scaleout, pytest.mark.slow, pytest.mark.postgres]
 
-ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "sk-admin-replicas-test"
 ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
 STEP_S = 0.04  # stand-in seconds per token
 SCRIPT = tuple(f" w{i}" for i in range(30))  # 30 tokens: a stream lasts ~1.2 s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-class Replica:
-    """One ``uvicorn --factory gateway.main:create_app`` process."""
-
-    def __init__(self, name: str, env: dict, tmp: Path):
-        self.name, self.env, self.port = name, env, _free_port()
-        self.log = tmp / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Replica:
-        return self.launch().wait_ready()
-
-    def launch(self) -> Replica:
-        cmd = [sys.executable, "-m", "uvicorn", "--factory", "gateway.main:create_app", "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", "--timeout-graceful-shutdown", "20"]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, env={**self.env, "SPARKGATE_REPLICA_ID": self.name}, cwd=self.log.parent,
-                                         stdout=out, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self) -> Replica:
-        def ready() -> bool:
-            assert self.proc.poll() is None, f"replica {self.name} exited: {self.log.read_text()[-3000:]}"
-            try:
-                return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait(ready, f"replica {self.name} ready", timeout=60)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(25)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-HAPROXY_CFG = """
-global
-    maxconn 256
-defaults
-    mode http
-    timeout connect 1s
-    timeout client 60s
-    timeout server 60s
-    retries 3
-    option redispatch
-frontend fe
-    bind 127.0.0.1:{port}
-    default_backend gateways
-backend gateways
-    balance roundrobin
-    option httpchk GET /readyz
-    default-server check inter 300ms fall 1 rise 1
-{servers}
-"""
 
 
 class Cluster:
@@ -140,18 +59,7 @@ class Cluster:
         return {"Authorization": f"Bearer {self.key}"}
 
     def records(self) -> list[dict]:
-        return asyncio.run(_records(self.pg_url))
-
-
-async def _records(pg_url: str) -> list[dict]:
-    import asyncpg
-
-    conn = await asyncpg.connect(pg_url.replace("postgresql+asyncpg", "postgresql"))
-    try:
-        return [dict(r) for r in await conn.fetch(
-            "SELECT id, tenant, status, replica, error_code, completion_tokens FROM request_records")]
-    finally:
-        await conn.close()
+        return asyncio.run(fetch_records(self.pg_url))
 
 
 class Peak:
@@ -200,38 +108,17 @@ def cluster(tmp_path_factory, migrated_template):  # noqa: ARG001
     prefix = f"test:{uuid.uuid4().hex}:"
     with new_pg_database("sparkgate_replicas") as pg_url:
         upgrade(pg_url)
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARKGATE_")},
-               "PYTHONPATH": str(ROOT), "SPARKGATE_DATABASE_URL": pg_url, "SPARKGATE_ADMIN_TOKEN": ADMIN,
-               "SPARKGATE_MODEL_NAME": MODEL, "SPARKGATE_MAX_CONTEXT": "256", "SPARKGATE_BACKEND": "sglang",
-               "SPARKGATE_SGLANG_URLS": standin.url,
-               "SPARKGATE_SGLANG_TOKENIZER_PATH": str(write_tokenizer(tmp / "tokenizer")),
-               "SPARKGATE_SGLANG_HEALTH_INTERVAL_S": "3600", "SPARKGATE_RECORD_FLUSH_INTERVAL_S": "0.1",
-               "SPARKGATE_REDIS_URL": "redis://127.0.0.1:6379/0", "SPARKGATE_REDIS_PREFIX": prefix}
+        env = replica_env(pg_url, ADMIN, MODEL, write_tokenizer(tmp / "tokenizer"), [standin.url], prefix,
+                          sglang_health_interval_s=3600)
         replicas = {n: Replica(n, env, tmp) for n in ("ra", "rb")}
         no_redis = Replica("rc", {**env, "SPARKGATE_REDIS_URL": "redis://127.0.0.1:1/0"}, tmp)  # not balanced
-        lb_port = _free_port()
-        cfg = tmp / "haproxy.cfg"
-        cfg.write_text(HAPROXY_CFG.format(port=lb_port, servers="\n".join(
-            f"    server {n} 127.0.0.1:{rep.port}" for n, rep in replicas.items())))
-        lb_log = tmp / "haproxy.log"
-        lb = None
+        lb = Balancer(list(replicas.values()), tmp)
         try:
             for rep in (*replicas.values(), no_redis):
                 rep.launch()
             for rep in (*replicas.values(), no_redis):
                 rep.wait_ready()
-            with open(lb_log, "wb") as out:
-                lb = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT)
-            base = f"http://127.0.0.1:{lb_port}"
-
-            def lb_ready() -> bool:
-                assert lb.poll() is None, f"haproxy exited: {lb_log.read_text()[-2000:]}"
-                try:
-                    return httpx.get(base + "/readyz", timeout=1).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            _wait(lb_ready, "haproxy")
+            base = lb.start().url
             with httpx.Client(base_url=base, headers=ADMIN_H, timeout=30) as c:
                 for tier in ({"name": "two", "max_concurrent": 2, "max_queue_wait_s": 30},
                              {"name": "open"}):
@@ -242,9 +129,7 @@ def cluster(tmp_path_factory, migrated_template):  # noqa: ARG001
                 assert k.status_code == 201, k.text
             yield Cluster(base, replicas, standin, pg_url, k.json()["key"], prefix, no_redis)
         finally:
-            if lb is not None:
-                lb.terminate()
-                lb.wait(10)
+            lb.stop(10)
             for rep in (*replicas.values(), no_redis):
                 rep.stop()
             standin.stop()
@@ -280,7 +165,7 @@ def test_concurrency_cap_and_records_hold_over_both_replicas(cluster):
         rows = [r for r in cluster.records() if r["id"] not in before]
         return len(rows) == 6 and all(r["status"] == "finished" for r in rows)
 
-    _wait(all_ended, "6 finished records")
+    wait_until(all_ended, "6 finished records")
     rows = [r for r in cluster.records() if r["id"] not in before]
     assert {r["id"] for r in rows} == ids and len(rows) == 6  # exactly once each
     assert {r["replica"] for r in rows} == {"ra", "rb"}  # both replicas served
@@ -308,7 +193,7 @@ def test_admin_live_shows_both_replicas_running(cluster):
             body = httpx.get(cluster.lb + "/admin/v1/live", headers=ADMIN_H, timeout=5).json()
             return [(x["replica"], x["running"]) for x in body["replicas"]] == [("ra", 1), ("rb", 2)]
 
-        _wait(both_running, "live state showing ra 1, rb 2 running", timeout=5)
+        wait_until(both_running, "live state showing ra 1, rb 2 running", timeout_s=5)
         for t in ts:
             t.join()
     assert [r.status_code for r in out] == [200] * 3
@@ -342,7 +227,7 @@ def test_sigterm_drains_one_replica_while_the_other_serves(cluster):
                                                                  headers=h, timeout=60))) for _ in range(2)]
     for t in ts:
         t.start()
-    _wait(lambda: len(cluster.standin.standin.active) == 2, "two streams on ra")
+    wait_until(lambda: len(cluster.standin.standin.active) == 2, "two streams on ra")
     ra.proc.send_signal(signal.SIGTERM)
     new = [httpx.post(cluster.lb + "/v1/chat/completions", json=chat(stream=False), headers=h, timeout=30)
            for _ in range(4)]
@@ -382,9 +267,9 @@ def test_sigkill_leaves_incomplete_records_not_lost(cluster):
     ts = [threading.Thread(target=stream) for _ in range(2)]
     for t in ts:
         t.start()
-    _wait(lambda: len(ids) == 2, "two streams started on rb")
-    _wait(lambda: sum(r["status"] == "running" and r["id"] in ids for r in cluster.records()) == 2,
-          "their running records written")
+    wait_until(lambda: len(ids) == 2, "two streams started on rb")
+    wait_until(lambda: sum(r["status"] == "running" and r["id"] in ids for r in cluster.records()) == 2,
+               "their running records written")
     rb.proc.send_signal(signal.SIGKILL)
     rb.proc.wait(10)
     for t in ts:
@@ -392,8 +277,8 @@ def test_sigkill_leaves_incomplete_records_not_lost(cluster):
     assert cut == [True, True]  # neither stream ended normally
     t0 = time.monotonic()
     # rb's live key expires (5 s), then ra's next sweep (every 5 s) marks its running rows
-    _wait(lambda: sum(r["status"] == "incomplete" and r["id"] in ids for r in cluster.records()) == 2,
-          "rb's records marked incomplete", timeout=20)
+    wait_until(lambda: sum(r["status"] == "incomplete" and r["id"] in ids for r in cluster.records()) == 2,
+               "rb's records marked incomplete", timeout_s=20)
     rows = [r for r in cluster.records() if r["id"] in ids]
     assert {(r["replica"], r["error_code"]) for r in rows} == {("rb", "replica_lost")}
     print(f"incomplete after {time.monotonic() - t0:.1f} s")

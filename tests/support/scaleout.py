@@ -45,6 +45,7 @@ defaults
     timeout connect 1s
     timeout client 120s
     timeout server 120s
+    timeout check 3s
     retries 3
     option redispatch
 frontend fe
@@ -53,7 +54,7 @@ frontend fe
 backend gateways
     balance roundrobin
     option httpchk GET /readyz
-    default-server check inter 300ms fall 1 rise 1
+    default-server check inter 500ms fall 2 rise 1
 {servers}
 """
 
@@ -106,6 +107,18 @@ def _answers(url: str, check=lambda r: r.status_code == 200) -> bool:
         return False
 
 
+def replica_command(port: int, python: str = sys.executable) -> list[str]:
+    """The argv of one gateway replica (docs/deploy.md "From one machine to many", step 4)."""
+    return [python, "-m", "uvicorn", "--factory", "gateway.main:create_app", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning", "--timeout-graceful-shutdown", "20"]
+
+
+def router_command(port: int, worker_urls: list[str], prometheus_port: int, python: str = sys.executable) -> list[str]:
+    """The argv of sglang-router over ``worker_urls`` (docs/deploy.md "From one machine to many", step 3)."""
+    return [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(prometheus_port), "--worker-urls", *worker_urls, *ROUTER_FLAGS]
+
+
 class Replica(Process):
     """One gateway process (``SPARKGATE_REPLICA_ID`` = ``name``) on a free port, configured by ``env``."""
 
@@ -121,9 +134,8 @@ class Replica(Process):
         return self.launch().wait_ready()
 
     def launch(self) -> Replica:
-        self._popen([sys.executable, "-m", "uvicorn", "--factory", "gateway.main:create_app", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--log-level", "warning", "--timeout-graceful-shutdown", "20"],
-                    env={**self.env, "SPARKGATE_REPLICA_ID": self.name}, cwd=self.log.parent)
+        self._popen(replica_command(self.port), env={**self.env, "SPARKGATE_REPLICA_ID": self.name},
+                    cwd=self.log.parent)
         return self
 
     def wait_ready(self, timeout_s: float = 60) -> Replica:
@@ -133,9 +145,12 @@ class Replica(Process):
 
 
 class Balancer(Process):
-    """HAProxy on a free port, round robin over ``replicas`` with a ``/readyz`` check every 300 ms
-    (``fall 1``: a replica that stops accepting is out at its next check; ``retries 3`` +
-    ``option redispatch``: a refused connection is retried on the other replica)."""
+    """HAProxy on a free port, round robin over ``replicas`` with a ``/readyz`` check every 500 ms
+    (``fall 2``: out after two failed checks, each given 3 s — a busy replica on a loaded machine
+    can take more than the check interval to answer, and with ``fall 1`` and the default check
+    timeout (= ``inter``) both replicas were marked down under load: HAProxy's own 503s;
+    ``retries 3`` + ``option redispatch``: a connection refused by a draining replica is retried
+    on the other)."""
 
     def __init__(self, replicas: list[Replica], tmp: Path) -> None:
         self.port, self.log = free_port(), tmp / "haproxy.log"
@@ -165,9 +180,7 @@ class Router(Process):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Router:
-        self._popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--prometheus-port", str(free_port()),
-                     "--worker-urls", *self.worker_urls, *ROUTER_FLAGS])
+        self._popen(router_command(self.port, self.worker_urls, free_port()))
         n = len(self.worker_urls)
         wait_until(lambda: self.alive("sglang-router") and _answers(
             self.url + "/readiness", lambda r: r.json().get("healthy_workers") == n),
@@ -200,12 +213,12 @@ def replica_env(pg_url: str, admin_token: str, model: str, tokenizer_dir: Path, 
 
 async def fetch_records(pg_url: str) -> list[dict]:
     """Every request record in the database at ``pg_url`` (id, tenant, status, replica, error_code,
-    completion_tokens)."""
+    completion_tokens, finished_at)."""
     import asyncpg
 
     conn = await asyncpg.connect(pg_url.replace("postgresql+asyncpg", "postgresql"))
     try:
         return [dict(r) for r in await conn.fetch(
-            "SELECT id, tenant, status, replica, error_code, completion_tokens FROM request_records")]
+            "SELECT id, tenant, status, replica, error_code, completion_tokens, finished_at FROM request_records")]
     finally:
         await conn.close()

@@ -385,7 +385,7 @@ class SGLangStandin:
     disconnects: list[str] = field(default_factory=list)
     chunks_sent: list[dict] = field(default_factory=list)
     health_checks: int = 0
-    active: set[str] = field(default_factory=set)
+    active: set[str] = field(default_factory=set)  # rids generating (left before the finishing chunk)
 
     def reset(self) -> None:
         fresh = SGLangStandin()
@@ -588,6 +588,8 @@ class SGLangStandin:
                 else:
                     chunk_text, chunk_ids = text, list(ids)
                 sent_text, sent_ids = len(text), len(ids)
+                if finish is not None:  # generation is over: the slot is free before the last chunk goes out
+                    self.active.discard(rid)
                 yield self._chunk(rid, chunk_text, chunk_ids, prompt, len(ids), finish, extra)
                 n_chunks += 1
                 if finish is not None:

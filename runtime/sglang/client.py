@@ -135,9 +135,9 @@ from runtime.interface import (
 )
 from runtime.sglang.router import SGLangRouter
 from runtime.upstream.assembler import ProtocolError, StreamAssembler
-from runtime.upstream.failover import OpenFailure, open_stream
+from runtime.upstream.failover import open_or_failed, open_stream
 from runtime.upstream.http import BUSY_STATUS
-from runtime.upstream.router import NoHealthyUpstream, Upstream
+from runtime.upstream.router import Upstream
 from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
 log = logging.getLogger(__name__)
@@ -509,19 +509,12 @@ class SGLangBackend(GatewayTokenization):
         deadline = timings.queued + (request.timeout_s or self.config.request_timeout_s)
         rid = request.request_id
         prompt_len = len(request.prompt_token_ids)
-        try:
-            payload = build_generate_payload(request, self.config)
-            upstream, resp = await self._open(payload)
-        except (ValueError, NoHealthyUpstream) as exc:
-            timings.finished = time.monotonic()
-            code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
-            yield Failed(str(exc), code=code, prompt_tokens=prompt_len, timings=timings)
+        opened = await open_or_failed(lambda: build_generate_payload(request, self.config), self._open, prompt_len,
+                                      timings)
+        if isinstance(opened, Failed):
+            yield opened
             return
-        except OpenFailure as exc:
-            timings.finished = time.monotonic()
-            exc.event.prompt_tokens, exc.event.timings = prompt_len, timings
-            yield exc.event
-            return
+        upstream, resp = opened
         timings.started = time.monotonic()
         asm = StreamAssembler(request.sampling.stop, self.config.incremental_streaming_output, self._tokenizer)
         server_done = False

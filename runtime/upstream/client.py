@@ -67,10 +67,10 @@ from runtime.interface import (
 from runtime.upstream.assembler import ProtocolError, StreamAssembler
 from runtime.upstream.chunks import UpstreamStreamError, parse_chunk
 from runtime.upstream.config import UpstreamConfig
-from runtime.upstream.failover import OpenFailure, open_stream
+from runtime.upstream.failover import OpenFailure, open_or_failed, open_stream
 from runtime.upstream.http import BUSY_STATUS
 from runtime.upstream.payload import build_completions_payload
-from runtime.upstream.router import NoHealthyUpstream, Upstream, UpstreamRouter
+from runtime.upstream.router import Upstream, UpstreamRouter
 
 log = logging.getLogger(__name__)
 
@@ -251,19 +251,12 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         deadline = timings.queued + limit
         prompt_len = len(request.prompt_token_ids)
         read_timeout = min(self.config.read_timeout_s, limit)
-        try:
-            payload = build_completions_payload(request, self.config)
-            upstream, resp = await self._open(payload, read_timeout)
-        except (ValueError, NoHealthyUpstream) as exc:
-            timings.finished = time.monotonic()
-            code = "upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request"
-            yield Failed(str(exc), code=code, prompt_tokens=prompt_len, timings=timings)
+        opened = await open_or_failed(lambda: build_completions_payload(request, self.config),
+                                      lambda payload: self._open(payload, read_timeout), prompt_len, timings)
+        if isinstance(opened, Failed):
+            yield opened
             return
-        except OpenFailure as exc:
-            timings.finished = time.monotonic()
-            exc.event.prompt_tokens, exc.event.timings = prompt_len, timings
-            yield exc.event
-            return
+        upstream, resp = opened
         timings.started = time.monotonic()
         num_top = request.sampling.logprobs
         asm = StreamAssembler(request.sampling.stop, incremental=True)

@@ -10,11 +10,12 @@ non-200 answer ends the request (:class:`OpenFailure`, ``upstream_error``).
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+import time
+from typing import Any, Awaitable, Callable
 
 import httpx
 
-from runtime.interface import Failed, QueueFullError
+from runtime.interface import Failed, QueueFullError, RequestTimings
 from runtime.upstream.http import BUSY_STATUS, error_message, retry_after
 from runtime.upstream.router import NoHealthyUpstream, Upstream, UpstreamRouter
 
@@ -100,3 +101,29 @@ async def open_stream(
             busy = _Busy(message, retry_after(resp, retry_after_s))
             continue
         raise OpenFailure(Failed(message, code="upstream_error"))
+
+
+async def open_or_failed(
+    build: Callable[[], Any],
+    open_: Callable[[Any], Awaitable[tuple[Upstream, httpx.Response]]],
+    prompt_tokens: int,
+    timings: RequestTimings,
+) -> tuple[Upstream, httpx.Response] | Failed:
+    """Build a request's payload and open its stream (``open_(build())``, e.g. with
+    :func:`open_stream`), or the terminal event to yield instead: the payload could not be built
+    (``ValueError`` → ``invalid_request``), no upstream is healthy (``upstream_unavailable``) or
+    opening failed (:class:`OpenFailure`'s event). The event carries ``prompt_tokens`` and
+    ``timings`` with ``finished`` set.
+
+    Raises:
+        QueueFullError: from ``open_`` (every reachable upstream busy), unchanged.
+    """
+    try:
+        return await open_(build())
+    except (ValueError, NoHealthyUpstream) as exc:
+        event = Failed(str(exc), code="upstream_unavailable" if isinstance(exc, NoHealthyUpstream) else "invalid_request")
+    except OpenFailure as exc:
+        event = exc.event
+    timings.finished = time.monotonic()
+    event.prompt_tokens, event.timings = prompt_tokens, timings
+    return event

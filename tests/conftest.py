@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -102,11 +104,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def live_server(tmp_path_factory, model_dir):
-    """The real gateway + embedded engine (fp32, AR) under uvicorn in a subprocess.
+@contextlib.contextmanager
+def serve_gateway(tmp: Path, env: dict[str, str], ready_timeout_s: float = 180) -> Iterator[LiveServer]:
+    """The real gateway (``gateway.main:create_app``) under uvicorn in a subprocess, on a fresh
+    migrated SQLite database in ``tmp`` with one tenant key (``e2e-tenant``/``e2e-user``) and a
+    random admin token; ``env`` adds to (and overrides) the process environment, e.g. the
+    backend's ``SPARKGATE_*`` settings. Yields once ``/readyz`` answers 200; its log is
+    ``tmp/server.log``.
 
-    Shared by every end-to-end test module (start-up costs a few seconds)."""
+    Raises:
+        RuntimeError: the server exited, or was not ready within ``ready_timeout_s`` seconds.
+    """
+    import asyncio
     import subprocess
     import time
 
@@ -115,24 +124,13 @@ def live_server(tmp_path_factory, model_dir):
     from gateway.crud.keys import issue_key
     from gateway.db.migrate import upgrade
 
-    tmp = tmp_path_factory.mktemp("live")
     db_url = f"sqlite+aiosqlite:///{tmp}/live.db"
     upgrade(db_url)
-    import asyncio
-
     key = asyncio.run(issue_key(db_url, "e2e-tenant", user_label="e2e-user"))
     admin = "admin-" + os.urandom(16).hex()
     port = _free_port()
-    env = {
-        **os.environ,
-        "SPARKGATE_DATABASE_URL": db_url,
-        "SPARKGATE_ADMIN_TOKEN": admin,
-        "SPARKGATE_DTYPE": "float32",
-        "SPARKGATE_MAX_BATCH_SIZE": "16",
-        "SPARKGATE_MAX_CONTEXT": "2048",
-        "SPARKGATE_SPEC_METHOD": "none",
-        "PYTHONPATH": str(ROOT),
-    }
+    env = {**os.environ, "SPARKGATE_DATABASE_URL": db_url, "SPARKGATE_ADMIN_TOKEN": admin,
+           "PYTHONPATH": str(ROOT), **env}
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "gateway.main:create_app", "--factory", "--host", "127.0.0.1",
@@ -140,22 +138,36 @@ def live_server(tmp_path_factory, model_dir):
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not become ready in 180 s")
-        time.sleep(0.3)
-    yield LiveServer(base, key, admin, db_url, proc)
-    proc.terminate()
+    deadline = time.monotonic() + ready_timeout_s
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not become ready in {ready_timeout_s:.0f} s")
+            time.sleep(0.3)
+        yield LiveServer(base, key, admin, db_url, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, model_dir):
+    """The real gateway + embedded engine (fp32, AR) under uvicorn in a subprocess.
+
+    Shared by every end-to-end test module (start-up costs a few seconds)."""
+    env = {"SPARKGATE_DTYPE": "float32", "SPARKGATE_MAX_BATCH_SIZE": "16", "SPARKGATE_MAX_CONTEXT": "2048",
+           "SPARKGATE_SPEC_METHOD": "none"}
+    with serve_gateway(tmp_path_factory.mktemp("live"), env) as server:
+        yield server

@@ -96,14 +96,6 @@ class LiveServer:
         return {"Authorization": f"Bearer {key or self.key}"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_gateway(tmp: Path, env: dict[str, str], ready_timeout_s: float = 180) -> Iterator[LiveServer]:
     """The real gateway (``gateway.main:create_app``) under uvicorn in a subprocess, on a fresh
@@ -117,18 +109,17 @@ def serve_gateway(tmp: Path, env: dict[str, str], ready_timeout_s: float = 180) 
     """
     import asyncio
     import subprocess
-    import time
 
-    import httpx
 
     from gateway.crud.keys import issue_key
     from gateway.db.migrate import upgrade
+    from tests.support.servers import free_port, wait_for_http
 
     db_url = f"sqlite+aiosqlite:///{tmp}/live.db"
     upgrade(db_url)
     key = asyncio.run(issue_key(db_url, "e2e-tenant", user_label="e2e-user"))
     admin = "admin-" + os.urandom(16).hex()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPARKGATE_DATABASE_URL": db_url, "SPARKGATE_ADMIN_TOKEN": admin,
            "PYTHONPATH": str(ROOT), **env}
     log = open(tmp / "server.log", "w")
@@ -138,19 +129,8 @@ def serve_gateway(tmp: Path, env: dict[str, str], ready_timeout_s: float = 180) 
         env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout_s
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(tmp / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not become ready in {ready_timeout_s:.0f} s")
-            time.sleep(0.3)
+        wait_for_http(base + "/readyz", proc, tmp / "server.log", "the gateway", ready_timeout_s, interval_s=0.3)
         yield LiveServer(base, key, admin, db_url, proc)
     finally:
         proc.terminate()

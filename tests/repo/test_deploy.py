@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, require_or_skip
+from tests.support.servers import free_port, wait_for_http
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "sparkgate.json"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
@@ -51,26 +51,6 @@ def promql(expr: str, rate_interval: str = "1m") -> str:
     out = expr.replace("$__rate_interval", rate_interval)
     assert "$" not in out, f"unsubstituted Grafana variable in {expr!r}"
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60.0, **kw) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1, **kw).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -155,7 +135,7 @@ def spec_gateway(tmp_path_factory):
         env=env, cwd=ROOT, stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+        wait_for_http(f"http://127.0.0.1:{port}/readyz", proc, tmp / "log", "the speculating gateway", 60, interval_s=0.2)
         yield {"url": f"http://127.0.0.1:{port}", "keys": keys, "json": json_key, "limited": limited, "admin": admin,
                "statuses": {}}
     finally:
@@ -214,7 +194,7 @@ def prometheus(live_server, spec_gateway, tmp_path_factory):
         stdout=open(tmp / "log", "w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        wait_http(f"http://127.0.0.1:{port}/-/ready", proc)
+        wait_for_http(f"http://127.0.0.1:{port}/-/ready", proc, tmp / "log", "prometheus", 60, interval_s=0.2)
         yield Prometheus(f"http://127.0.0.1:{port}", proc)
     finally:
         stop(proc)

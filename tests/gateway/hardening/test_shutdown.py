@@ -10,7 +10,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from gateway.crud.keys import issue_key
 from tests.conftest import ROOT
 from tests.support.gateway_fixtures import sqlite_url
 from tests.support.polling import wait_until
+from tests.support.servers import free_port
 
 SERVE = """
 import sys
@@ -34,12 +34,6 @@ gateway.main.build_backend = lambda settings: FakeBackend(max_context=4096, toke
 from gateway import cli
 sys.exit(cli.main(["serve", "--port", sys.argv[1]]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(tmp_path, db, port, grace_s, token_delay_s):

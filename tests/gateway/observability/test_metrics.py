@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -28,6 +27,7 @@ from runtime.speculation.sps import SpsTable
 from runtime.interface import Finished, FinishReason, LoadSnapshot, RequestTimings, SpecInfo, SpecStats, TextDelta
 from tests.support.fakes import FakeBackend
 from tests.support.gateway_fixtures import chat, make_settings
+from tests.support.servers import free_port
 from tests.support.tenancy_fixtures import admin_setup, new_key
 from tests.support.tenancy_fixtures import running_app as tenancy_app
 from tests.support import TEST_DATA
@@ -432,14 +432,8 @@ async def test_running_gauge_is_read_at_scrape_time(db_url):
         assert "sparkgate:num_requests_running 0.0" in r.text.splitlines()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_separate_metrics_port_serves_without_auth_and_stops_with_the_app(db_url):
-    port = _free_port()
+    port = free_port()
     async with running_app(db_url, FakeBackend(), metrics_port=port) as (_, c):
         assert (await c.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 404
         async with httpx.AsyncClient() as direct:

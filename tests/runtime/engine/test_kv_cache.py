@@ -104,3 +104,10 @@ def test_the_drafters_context_cache_is_committed_on_write_too():
     assert resident_bytes(d.k, d.v) == 0
     d.k[:, 0, :, :64] = 1.0
     assert 0 < resident_bytes(d.k, d.v) <= 2 * KV_HEADS * 64 * HEAD_DIM * 2 + 2 * KV_HEADS * 2 * 4096
+    d.k[:, 1, :, :5000] = 1.0  # a long sequence in slot 1, then a new one starts there
+    d.lengths[1] = 5000
+    long = resident_bytes(d.k, d.v)
+    d.reset(1)
+    assert d.lengths[1] == 0
+    assert long - resident_bytes(d.k, d.v) >= 2 * KV_HEADS * (5000 - d.keep_tokens - 64) * HEAD_DIM * 2
+    assert float(d.k[:, 1, :, :d.keep_tokens].float().mean()) == 1.0

@@ -39,6 +39,9 @@ class EngineConfig:
             top-1 agreement vs fp32 in ``docs/benchmarks.md``).
         max_batch_size: max concurrently running sequences (= KV-cache slots).
         max_context: tokens per sequence (prompt + completion); KV slots are this long.
+            Default: the served model's full context (SmolLM2: 8,192). Slots commit memory
+            as tokens are cached (:mod:`runtime.engine.kv_cache`), so an idle server does
+            not pay for ``max_batch_size × max_context``.
         max_waiting: bounded waiting queue; beyond it ``QueueFullError`` (HTTP 503).
         prefill_chunk_tokens: long prompts are prefilled in chunks of this many tokens
             so running streams keep flowing.
@@ -68,8 +71,9 @@ class EngineConfig:
             tests) never profiles: cached profile or fallback table. The server's default is on.
         prefix_cache_blocks: capacity of the automatic prefix cache
             (:mod:`runtime.engine.prefix_cache`) in blocks of ``prefix_block_size`` tokens;
-            0 disables it. Default 256 × 16 = 4096 tokens ≈ 180 MiB in fp32 (90 MiB in
-            bf16) of target KV, plus the drafter's context K/V when speculating.
+            0 disables it. Default 512 × 16 = 8192 tokens (one full-context prompt)
+            ≈ 360 MiB in fp32 (180 MiB in bf16) of target KV at most, plus the drafter's
+            context K/V when speculating; pages are committed as blocks are filled.
         prefix_block_size: tokens per prefix-cache block (reuse is block-granular).
         spec_gate: when speculating, decide per step — before drafting, from measured
             speed of past steps — whether to speculate or run a plain AR step
@@ -81,7 +85,7 @@ class EngineConfig:
 
     dtype: str = "auto"
     max_batch_size: int = 16
-    max_context: int = 2048
+    max_context: int = 8192
     max_waiting: int = 256
     prefill_chunk_tokens: int = 256
     max_step_tokens: int = 512
@@ -95,7 +99,7 @@ class EngineConfig:
     seed: int = 0
     sps_table_path: str | None = None
     profile_on_start: bool = False
-    prefix_cache_blocks: int = 256
+    prefix_cache_blocks: int = 512
     prefix_block_size: int = 16
     spec_gate: bool = True
 

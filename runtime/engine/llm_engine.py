@@ -83,6 +83,21 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def check_positions(config: EngineConfig, model: LlamaModel, lookahead: int) -> None:
+    """Raise ``ValueError`` unless ``config.max_context`` is within the model's context
+    (``max_position_embeddings``) and every position the engine can write has a rotary row:
+    the KV slot's last (``max_context + lookahead − 1``) plus, when speculating, the drafter's
+    block of γ past it."""
+    if config.max_context > model.cfg.max_position:
+        raise ValueError(f"max_context {config.max_context} exceeds the model's context of "
+                         f"{model.cfg.max_position} tokens")
+    draft = config.num_speculative_tokens if config.spec_method != "none" else 0
+    rows = model.rotary.cos.shape[0]
+    if config.max_context + lookahead + draft > rows:
+        raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} needs rotary positions up to "
+                         f"{config.max_context + lookahead + draft - 1}; the tables have {rows}")
+
+
 class LLMEngine:
     """Continuous-batching engine over the lean Llama target.
 
@@ -119,6 +134,7 @@ class LLMEngine:
         self.model_name = MODEL_NAME
         self.eos_token_id = self.model.cfg.eos_token_id
         self.lookahead = config.num_speculative_tokens + 1 if config.spec_method != "none" else 1
+        check_positions(config, self.model, self.lookahead)
         self.cache = self.model.new_cache(config.max_batch_size, config.max_context + self.lookahead)
         self.scheduler = BatchScheduler(self.cache, config.max_step_tokens, config.prefill_chunk_tokens)
         self.speculator = (

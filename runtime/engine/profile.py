@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=7, help="num_speculative_tokens")
     ap.add_argument("--draft-checkpoint", default=None)
     ap.add_argument("--max-batch-size", type=int, default=16)
-    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--max-context", type=int, default=EngineConfig.max_context)
     ap.add_argument("--contexts", type=int, nargs="+", default=list(sps_profiler.DEFAULT_CONTEXT_LENS))
     ap.add_argument("--repeats", type=int, default=sps_profiler.DEFAULT_REPEATS)
     ap.add_argument("--warmup", type=int, default=sps_profiler.DEFAULT_WARMUP)

@@ -126,6 +126,13 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+#: Rotary positions past the model's context (``max_position``): with speculation the KV
+#: slots are ``max_context + γ + 1`` long and the drafter's block sits γ further, so a
+#: sequence that fills the context still verifies and drafts at positions ≥ ``max_position``.
+#: The tables are built for ``max_position + ROTARY_HEADROOM`` rows (the engine checks γ fits).
+ROTARY_HEADROOM = 64
+
+
 class Rotary(nn.Module):
     """Rotary position embedding tables (rotate-half layout).
 
@@ -358,7 +365,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position + ROTARY_HEADROOM)
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
@@ -552,7 +559,7 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16)
     fused = _fuse_hf_state_dict(sd, cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in fused.items()}, strict=False, assign=True)
     # Non-persistent buffers (rotary tables) must be rebuilt off the meta device.
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position + ROTARY_HEADROOM)
     if cfg.tie_word_embeddings:
         model.lm_head_weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)

@@ -181,7 +181,7 @@ class SGLangConfig:
 
     urls: tuple[str, ...] = ("http://127.0.0.1:30000",)
     model_name: str = "SmolLM2-135M-Instruct"
-    max_context: int = 2048
+    max_context: int = 8192
     tokenizer_path: str | None = None
     eos_token_id: int | None = None
     api_key: str | None = None

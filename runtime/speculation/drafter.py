@@ -79,7 +79,10 @@ class DraftContextCache(KVCache):
         self.block_size = block_size
 
     def reset(self, slot: int) -> None:
-        """Start a new sequence in ``slot`` (length 0)."""
+        """Start a new sequence in ``slot`` (length 0). If the previous one held more than
+        ``keep_tokens`` positions, their pages past that go back to the OS (as :meth:`KVCache.free`)."""
+        if self.lengths[slot] > self.keep_tokens:
+            self.release(slot, self.keep_tokens)
         self.lengths[slot] = 0
 
     def append_plan(

@@ -63,7 +63,7 @@ class UpstreamConfig:
     keys: tuple[str, ...] = ()
     model: str | None = None
     model_name: str = "SmolLM2-135M-Instruct"
-    max_context: int = 2048
+    max_context: int = 8192
     tokenizer_path: str | None = None
     eos_token_id: int | None = None
     send_priority: bool = False

@@ -82,7 +82,7 @@ def test_every_sglang_field_is_a_setting_that_reaches_the_sglang_config(clean_en
     clean_env.setenv("SPARKGATE_BACKEND", "sglang")
     config = Settings(_env_file=None).backend_config()
     assert config == SGLangConfig(**expected | {"urls": ("http://a:1", "http://b:2")})
-    assert config.max_context == Settings(_env_file=None).engine_config().max_context == 3 + 2048
+    assert config.max_context == Settings(_env_file=None).engine_config().max_context == 3 + 8192
 
 
 def test_every_upstream_field_is_a_setting_that_reaches_the_upstream_config(clean_env):
@@ -94,7 +94,7 @@ def test_every_upstream_field_is_a_setting_that_reaches_the_upstream_config(clea
     clean_env.setenv("SPARKGATE_BACKEND", "openai")
     config = Settings(_env_file=None).backend_config()
     assert config == UpstreamConfig(**expected | {"urls": ("http://a:1", "http://b:2"), "keys": ("sk-a", "sk-b")})
-    assert config.max_context == 3 + 2048 and config.request_timeout_s == 600.25
+    assert config.max_context == 3 + 8192 and config.request_timeout_s == 600.25
 
 
 def test_configuration_doc_is_generated_from_the_code():

@@ -62,7 +62,7 @@ def test_settings_defaults_env_and_engine_config(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARKGATE_CACHE_DIR", str(tmp_path / "cache"))
     s = Settings()
     assert (s.host, s.port, s.dtype, s.max_batch_size, s.max_context, s.max_waiting) == (
-        "127.0.0.1", 8000, "auto", 16, 2048, 256)
+        "127.0.0.1", 8000, "auto", 16, 8192, 256)
     assert (s.spec_method, s.cors_origins, s.admin_token, s.model_name) == ("none", [], None, "SmolLM2-135M-Instruct")
     assert s.database_url == f"sqlite+aiosqlite:///{tmp_path / 'cache' / 'sparkgate.db'}"
 

@@ -103,6 +103,7 @@ def server_error(message: str, code: str | None = "engine_error") -> APIError:
 #: upstream answered wrongly (502 Bad Gateway), none is reachable (503, ``retry-after``), it did
 #: not answer in time (504 Gateway Timeout). Other codes are the gateway's own failures (500).
 UPSTREAM_STATUS = {
+    "upstream_bad_request": 400,  # the upstream refused the request itself (e.g. longer than its context)
     "upstream_error": 502,
     "upstream_rejected": 502,
     "upstream_disconnected": 502,
@@ -114,11 +115,14 @@ UPSTREAM_RETRY_AFTER_S = 5.0
 
 
 def runtime_failure(message: str, code: str | None) -> APIError:
-    """The error for a backend's ``Failed`` event: 502/503/504 for the ``upstream_*`` codes of
-    :data:`UPSTREAM_STATUS` (503 with ``retry-after``), else 500 ``server_error``."""
+    """The error for a backend's ``Failed`` event: 400 ``invalid_request_error`` and 502/503/504
+    ``server_error`` for the ``upstream_*`` codes of :data:`UPSTREAM_STATUS` (503 with
+    ``retry-after``), else 500 ``server_error``."""
     status = UPSTREAM_STATUS.get(code or "")
     if status == 503:
         return overloaded(message, UPSTREAM_RETRY_AFTER_S, code=code)
+    if status == 400:
+        return APIError(400, message, INVALID_REQUEST, None, code)
     return APIError(status or 500, message, SERVER_ERROR, None, code)
 
 

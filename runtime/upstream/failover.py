@@ -5,7 +5,9 @@ An upstream that refuses the connection is marked down (the router's health chec
 back) and the next one is tried; one that is busy (HTTP 429/503, or at the client's in-flight
 cap) is skipped, and when every reachable one was busy the request is a
 :class:`~runtime.interface.QueueFullError` with the busiest answer's ``Retry-After``; any other
-non-200 answer ends the request (:class:`OpenFailure`, ``upstream_error``).
+non-200 answer ends the request (:class:`OpenFailure`): ``upstream_bad_request`` for HTTP
+400/413/422 (the server refused this request — a prompt longer than its context, a value it does
+not take — which the gateway answers 400 with the server's message), else ``upstream_error``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import httpx
 from runtime.interface import Failed, QueueFullError, RequestTimings
 from runtime.upstream.http import BUSY_STATUS, error_message, retry_after
 from runtime.upstream.router import NoHealthyUpstream, Upstream, UpstreamRouter
+
+
+BAD_REQUEST_STATUS = frozenset({400, 413, 422})  # the server refuses the request itself
 
 
 class OpenFailure(Exception):
@@ -100,7 +105,8 @@ async def open_stream(
         if resp.status_code in BUSY_STATUS:
             busy = _Busy(message, retry_after(resp, retry_after_s))
             continue
-        raise OpenFailure(Failed(message, code="upstream_error"))
+        code = "upstream_bad_request" if resp.status_code in BAD_REQUEST_STATUS else "upstream_error"
+        raise OpenFailure(Failed(message, code=code))
 
 
 async def open_or_failed(

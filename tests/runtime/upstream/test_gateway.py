@@ -237,6 +237,26 @@ def test_upstream_500_is_502(stack, stream):
     assert (rec["error_code"], rec["stream"]) == ("upstream_error", stream)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_400_is_a_400_with_its_message(stack, stream):
+    """A server that refuses the request itself (here 400; vLLM does so for a prompt longer than its
+    --max-model-len) is the client's error: 400 invalid_request_error with the server's message,
+    not a 502, and not retried on the other upstream."""
+    for f in stack.fakes():
+        f.fail_status = 400
+    with stack.client() as c:
+        before = len(records(c, "failed"))
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream},
+                   headers=stack.auth)
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "upstream_bad_request", None)
+        assert "answered HTTP 400: fake upstream refuses with 400" in err["message"]
+        rec = new_record(c, "failed", before)
+    assert len(stack.sent()) == 1
+    assert (rec["error_code"], rec["stream"]) == ("upstream_bad_request", stream)
+
+
 def test_silence_is_504_before_streaming_and_an_sse_error_after(stack):
     for f in stack.fakes():
         f.stall_before_headers_s = READ_TIMEOUT_S + 1

@@ -222,39 +222,27 @@ def test_client_disconnect_closes_the_upstream_stream(stack):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_upstream_500_is_502(stack, stream):
+@pytest.mark.parametrize("upstream,status,etype,code", [
+    (500, 502, "server_error", "upstream_error"),
+    # the server refuses the request itself (vLLM does so for a prompt past its --max-model-len):
+    # the client's error, with the server's message
+    (400, 400, "invalid_request_error", "upstream_bad_request"),
+])
+def test_upstream_error_status_maps_to_an_openai_error_with_a_record(stack, stream, upstream, status, etype, code):
     for f in stack.fakes():
-        f.fail_status = 500
+        f.fail_status = upstream
     with stack.client() as c:
         before = len(records(c, "failed"))
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream},
                    headers=stack.auth)
         # the first event is awaited before any byte is sent, so even a stream gets a real status
-        assert r.status_code == 502 and r.headers["content-type"] == "application/json"
-        assert "answered HTTP 500: fake upstream refuses with 500" in error_of(r.json(), "upstream_error")
+        assert r.status_code == status and r.headers["content-type"] == "application/json"
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and (err["type"], err["code"]) == (etype, code)
+        assert f"answered HTTP {upstream}: fake upstream refuses with {upstream}" in err["message"]
         rec = new_record(c, "failed", before)
     assert len(stack.sent()) == 1  # not retried on the other upstream: it answered
-    assert (rec["error_code"], rec["stream"]) == ("upstream_error", stream)
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_upstream_400_is_a_400_with_its_message(stack, stream):
-    """A server that refuses the request itself (here 400; vLLM does so for a prompt longer than its
-    --max-model-len) is the client's error: 400 invalid_request_error with the server's message,
-    not a 502, and not retried on the other upstream."""
-    for f in stack.fakes():
-        f.fail_status = 400
-    with stack.client() as c:
-        before = len(records(c, "failed"))
-        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream},
-                   headers=stack.auth)
-        assert r.status_code == 400 and r.headers["content-type"] == "application/json"
-        err = r.json()["error"]
-        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "upstream_bad_request", None)
-        assert "answered HTTP 400: fake upstream refuses with 400" in err["message"]
-        rec = new_record(c, "failed", before)
-    assert len(stack.sent()) == 1
-    assert (rec["error_code"], rec["stream"]) == ("upstream_bad_request", stream)
+    assert (rec["error_code"], rec["stream"]) == (code, stream)
 
 
 def test_silence_is_504_before_streaming_and_an_sse_error_after(stack):

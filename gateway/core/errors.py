@@ -170,5 +170,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError, strip_b
     if err.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request.", None, "invalid_json")
     param = param_path(loc)
+    if err.get("type") == "missing" and param:
+        return invalid_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     where = f" for '{param}'" if param else ""
     return invalid_request(f"Invalid value{where}: {err.get('msg', 'invalid')}", param, "invalid_value")

@@ -34,7 +34,7 @@ def roomy(backend):
 
 
 BAD = [  # (body, status, param, code)
-    (req(tools=[{"type": "function"}]), 400, "tools[0].name", "invalid_value"),
+    (req(tools=[{"type": "function"}]), 400, "tools[0].name", "missing_required_parameter"),
     (req(tools=[{"type": "function", "name": "has space"}]), 400, "tools[0].name", "invalid_value"),
     (req(tools=[{"type": "function", "name": "add", "parameters": 3}]), 400, "tools[0].parameters", "invalid_value"),
     (req(tools=[{"type": "web_search"}]), 400, "tools[0].type", "unsupported_parameter"),
@@ -56,12 +56,12 @@ BAD = [  # (body, status, param, code)
     (req([{"role": "tool", "content": "x"}]), 400, "input[0].role", "invalid_value"),
     (req([{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]), 400,
      "input[0].content[0].type", "unsupported_parameter"),
-    (req([{"role": "user"}]), 400, "input[0].content", "invalid_value"),
+    (req([{"role": "user"}]), 400, "input[0].content", "missing_required_parameter"),
     (req([{"type": "reasoning", "summary": []}]), 400, "input[0].type", "unsupported_parameter"),
     (req([{"type": "item_reference", "id": "msg_1"}]), 400, "input[0].type", "unsupported_parameter"),
     (req([{"type": 3}]), 400, "input[0]", "invalid_value"),
     (req([]), 400, "input", "invalid_value"),
-    (req(text={"format": {"type": "json_schema", "schema": {}}}), 400, "text.format.name", "invalid_value"),
+    (req(text={"format": {"type": "json_schema", "schema": {}}}), 400, "text.format.name", "missing_required_parameter"),
     (req(text={"format": {"type": "xml"}}), 400, "text.format", "invalid_value"),
     (req(text={"format": {"type": "json_object"}}), 400, "text.format", "unsupported_parameter"),  # fake: no grammar
     (req(text={"verbosity": "low"}), 400, "text.verbosity", "unsupported_parameter"),
@@ -82,7 +82,7 @@ BAD = [  # (body, status, param, code)
     (req(user="a\x00b"), 400, "user", "invalid_value"),
     (req(previous_response_id="resp_\x00"), 400, "previous_response_id", "invalid_value"),
     (req(input="x " * 5000), 400, "input", "context_length_exceeded"),
-    ({"input": "hi"}, 400, "model", "invalid_value"),
+    ({"input": "hi"}, 400, "model", "missing_required_parameter"),
     (req(model="gpt-9"), 404, "model", "model_not_found"),
 ]
 
@@ -105,7 +105,8 @@ async def test_refused_tools_and_call_outputs_leave_rejected_records(app, client
     await app.state.records.flush()
     async with app.state.sessionmaker() as s:
         rows = (await crud_records.query_records(s, limit=100))[0]
-    assert sorted((r.endpoint, r.status, r.error_code) for r in rows) == [("responses", "rejected", "invalid_value")] * 3
+    assert sorted((r.endpoint, r.status, r.error_code) for r in rows) == [
+        ("responses", "rejected", "invalid_value")] * 2 + [("responses", "rejected", "missing_required_parameter")]
     assert all(r.id.startswith("resp_") and r.prompt_tokens == 0 for r in rows)
 
 

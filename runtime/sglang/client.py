@@ -137,6 +137,7 @@ from runtime.sglang.router import SGLangRouter
 from runtime.upstream.assembler import ProtocolError, StreamAssembler
 from runtime.upstream.failover import open_or_failed, open_stream
 from runtime.upstream.http import BUSY_STATUS
+from runtime.upstream.payload import completion_budget
 from runtime.upstream.router import Upstream
 from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
@@ -234,13 +235,7 @@ def build_generate_payload(request: GenerationRequest, config: SGLangConfig) -> 
         ValueError: the prompt already fills ``config.max_context``.
     """
     s = request.sampling
-    if s.max_tokens is not None:
-        max_new = int(s.max_tokens)
-    else:
-        max_new = config.max_context - len(request.prompt_token_ids)
-        if max_new < 1:
-            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room "
-                             f"in a {config.max_context}-token context")
+    max_new = completion_budget(request, config.max_context)
     sampling: dict[str, Any] = {
         "max_new_tokens": max_new,
         "temperature": float(s.temperature),

@@ -71,6 +71,22 @@ def response_format_field(fmt: ResponseFormat | None) -> dict | None:
                        code="unsupported_parameter")
 
 
+def completion_budget(request: GenerationRequest, max_context: int) -> int:
+    """Completion tokens to ask a server for: the request's ``max_tokens`` (already clamped by
+    the gateway), else what the ``max_context``-token context leaves after the prompt.
+
+    Raises:
+        ValueError: no ``max_tokens`` and the prompt already fills the context.
+    """
+    if request.sampling.max_tokens is not None:
+        return int(request.sampling.max_tokens)
+    room = max_context - len(request.prompt_token_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room "
+                         f"in a {max_context}-token context")
+    return room
+
+
 def build_completions_payload(request: GenerationRequest, config: UpstreamConfig) -> dict[str, Any]:
     """The JSON body for ``request`` (mapping in the module docstring).
 
@@ -79,13 +95,7 @@ def build_completions_payload(request: GenerationRequest, config: UpstreamConfig
         GrammarError: a response format the upstream cannot be asked for.
     """
     s = request.sampling
-    if s.max_tokens is not None:
-        max_tokens = int(s.max_tokens)
-    else:
-        max_tokens = config.max_context - len(request.prompt_token_ids)
-        if max_tokens < 1:
-            raise ValueError(f"prompt of {len(request.prompt_token_ids)} tokens leaves no room "
-                             f"in a {config.max_context}-token context")
+    max_tokens = completion_budget(request, config.max_context)
     body: dict[str, Any] = {
         "model": config.model or config.model_name,
         "prompt": list(request.prompt_token_ids),

@@ -115,7 +115,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from runtime.engine.detokenizer import GatewayTokenization, load_tokenizer
 from runtime.engine.grammar import check_format, to_prefix_items
 from runtime.engine.tool_grammar import json_schema_contents, reply_content, structural_tag
 from runtime.interface import (
@@ -138,6 +137,7 @@ from runtime.upstream.assembler import ProtocolError, StreamAssembler
 from runtime.upstream.failover import open_or_failed, open_stream
 from runtime.upstream.http import BUSY_STATUS
 from runtime.upstream.payload import completion_budget
+from runtime.upstream.remote import RemoteBackend
 from runtime.upstream.router import Upstream
 from runtime.speculation.sla import DEFAULT_MAX_WEIGHT
 
@@ -339,7 +339,7 @@ def spec_info_from_server_info(info: dict[str, Any]) -> SpecInfo:
     return SpecInfo(method=str(algo).lower(), block_size=gamma)
 
 
-class SGLangBackend(GatewayTokenization):
+class SGLangBackend(RemoteBackend):
     """:class:`runtime.interface.Backend` streaming from SGLang servers (module docstring).
 
     Args:
@@ -348,37 +348,28 @@ class SGLangBackend(GatewayTokenization):
         transport: injected httpx transport (tests).
     """
 
+    label = "SGLang"
+
     def __init__(self, config: SGLangConfig, *, tokenizer: Any = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.config = config
-        self.router = SGLangRouter(config.urls, health_path=config.health_path,
-                                   health_timeout_s=config.health_timeout_s)
-        self._tokenizer = tokenizer
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
+        super().__init__(config, SGLangRouter(config.urls, health_path=config.health_path,
+                                              health_timeout_s=config.health_timeout_s),
+                         tokenizer=tokenizer, transport=transport)
         self._spec_info: SpecInfo | None = None
         self.aborts_sent = 0
+
+    @property
+    def background_timeout_s(self) -> float:
+        """:meth:`stop` waits for pending aborts: their own timeout and a second."""
+        return self.config.abort_timeout_s + 1
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
         """Load the tokenizer, open the HTTP client, probe the upstreams once and start
         the periodic health checks. Starting with no healthy upstream is allowed
         (``ready()`` stays false until one answers)."""
-        if self._tokenizer is None:
-            self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-        self._client = httpx.AsyncClient(
-            headers=headers,
-            transport=self._transport,
-            timeout=httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
-        healthy = await self.router.check_all(self._client)
-        if not healthy:
-            log.warning("no SGLang upstream is healthy yet: %s",
-                        {u.url: u.last_error for u in self.router.upstreams})
+        await self._open_client(max_keepalive=64, headers=headers)
         await self._refresh_spec_info()
         self._health_task = asyncio.create_task(self._watch(), name="sglang-health")
 
@@ -404,28 +395,14 @@ class SGLangBackend(GatewayTokenization):
             except (httpx.HTTPError, ValueError) as exc:
                 log.debug("GET %s/server_info failed: %s", upstream.url, exc)
 
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self.config.abort_timeout_s + 1)
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
     def ready(self) -> bool:
         return self._client is not None and self._tokenizer is not None and bool(self.router.healthy())
 
     @property
     def info(self) -> BackendInfo:
-        eos = self.config.eos_token_id
-        if eos is None:
-            eos = getattr(self._tokenizer, "eos_token_id", None)
         # logprobs are not mapped from SGLang's return_logprob meta yet: the gateway answers 400;
         # response formats and tool calls are constrained by SGLang's grammar backend
-        return BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
+        return BackendInfo(self.config.model_name, self.config.max_context, self._eos_token_id(),
                            supports_logprobs=False, supports_response_format=True)
 
     # -- load -----------------------------------------------------------------------
@@ -461,13 +438,6 @@ class SGLangBackend(GatewayTokenization):
         return await open_stream(self.router, send, path="/generate", server="SGLang", pool="SGLang upstreams",
                                  cap=self.config.max_in_flight_per_upstream, retry_after_s=self.config.retry_after_s,
                                  on_send_error=send_error)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` as a task that outlives a cancelled caller (kept until done)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
 
     async def _abandon(self, upstream: Upstream, resp: httpx.Response | None, rid: str, abort: bool) -> None:
         """Close the HTTP stream and, with ``abort``, ask SGLang to abort ``rid``."""

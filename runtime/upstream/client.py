@@ -50,7 +50,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 
-from runtime.engine.detokenizer import GatewayTokenization, load_tokenizer
 from runtime.interface import (
     BackendInfo,
     Event,
@@ -70,6 +69,7 @@ from runtime.upstream.config import UpstreamConfig
 from runtime.upstream.failover import OpenFailure, open_or_failed, open_stream
 from runtime.upstream.http import BUSY_STATUS
 from runtime.upstream.payload import build_completions_payload
+from runtime.upstream.remote import RemoteBackend
 from runtime.upstream.router import Upstream, UpstreamRouter
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
         buffer = buffer[start:]
 
 
-class OpenAIUpstreamBackend(GatewayTokenization):
+class OpenAIUpstreamBackend(RemoteBackend):
     """:class:`runtime.interface.Backend` streaming from OpenAI-compatible servers (module
     docstring).
 
@@ -105,16 +105,13 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         transport: injected httpx transport (tests).
     """
 
+    label = LABEL
+
     def __init__(self, config: UpstreamConfig, *, tokenizer: Any = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.config = config
-        self.router = UpstreamRouter(config.urls, api_keys=config.keys, health_path=config.health_path,
-                                     health_timeout_s=config.health_timeout_s, label=LABEL)
-        self._tokenizer = tokenizer
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
+        super().__init__(config, UpstreamRouter(config.urls, api_keys=config.keys, health_path=config.health_path,
+                                                health_timeout_s=config.health_timeout_s, label=LABEL),
+                         tokenizer=tokenizer, transport=transport)
         self._info: BackendInfo | None = None
 
     # -- lifecycle ----------------------------------------------------------------
@@ -122,29 +119,9 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         """Load the tokenizer, open the HTTP client, probe the upstreams once and start the
         periodic health checks. Starting with no healthy upstream is allowed: requests then
         fail with ``upstream_unavailable`` (503) until a probe finds one."""
-        if self._tokenizer is None:
-            self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
-        self._client = httpx.AsyncClient(
-            transport=self._transport,
-            timeout=httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
-        if not await self.router.check_all(self._client):
-            log.warning("no %s upstream is healthy yet: %s", LABEL,
-                        {u.url: u.last_error for u in self.router.upstreams})
+        await self._open_client(max_keepalive=256)
         self._health_task = asyncio.create_task(self.router.run(self._client, self.config.health_interval_s),
                                                 name="upstream-health")
-
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=5)
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
     def ready(self) -> bool:
         """True once started: the gateway serves (and answers 503 ``upstream_unavailable``
@@ -156,11 +133,8 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         """The served model's facts (read several times per request: built once the tokenizer is loaded)."""
         if self._info is not None:
             return self._info
-        eos = self.config.eos_token_id
-        if eos is None:
-            eos = getattr(self._tokenizer, "eos_token_id", None)
         vocab = len(self._tokenizer) if self._tokenizer is not None else None
-        info = BackendInfo(self.config.model_name, self.config.max_context, int(eos if eos is not None else 0),
+        info = BackendInfo(self.config.model_name, self.config.max_context, self._eos_token_id(),
                            supports_logprobs=self.config.logprobs,
                            supports_response_format=self.config.response_format,
                            chat_template_tools=self.chat_template_tools, vocab_size=vocab)
@@ -208,13 +182,6 @@ class OpenAIUpstreamBackend(GatewayTokenization):
         return await open_stream(self.router, send, path="/v1/completions", server=f"{LABEL} upstream",
                                  pool=f"{LABEL} upstreams", cap=self.config.max_in_flight_per_upstream,
                                  retry_after_s=self.config.retry_after_s, on_send_error=send_error)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` as a task that outlives a cancelled caller (kept until done)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
 
     @staticmethod
     async def _close(resp: httpx.Response, lines: AsyncIterator[str], drain: bool) -> None:

@@ -301,8 +301,11 @@ class LLMEngine:
             self.zero_budget_rows += (len(plan.decode) if proposal is None
                                       else sum(1 for ell in proposal.lengths if ell == 0))
             self.decode_tokens += produced
-            if self.gate is not None and not plan.prefill:  # prefill chunks would blur the step's cost
-                self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
+            if not plan.prefill:  # prefill chunks would blur the step's cost
+                if self.gate is not None:
+                    self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
+                if spec is not None:
+                    spec.record_round(sampling, len(plan.decode), num_verify_rows, time.perf_counter() - t0)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
             tokens = SamplingBatch.of(prefill_done).draw(self._processed(logits, prefill_done, None)).tolist()

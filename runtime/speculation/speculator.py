@@ -41,6 +41,8 @@ from runtime.config import EngineConfig
 from runtime.engine.sampler import SamplingBatch
 from runtime.engine.sequence import SequenceState
 from runtime.models.llama import LlamaModel
+from runtime.speculation.acceptance import AcceptanceTracker
+from runtime.speculation.live_cost import LiveRoundCost
 from runtime.speculation.budget import schedule
 from runtime.speculation.prompt_lookup import NgramIndex, ngram_survival, one_hot_probs
 from runtime.speculation.sla import sla_weight
@@ -49,7 +51,8 @@ from runtime.speculation.sps import SpsTable, fallback_table
 log = logging.getLogger(__name__)
 
 SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
-#: a slot's queued draft-context positions that force a flush (:meth:`Speculator.commit`)
+#: a slot's queued draft-context positions that force a flush (:meth:`Speculator.commit`);
+#: ``hybrid`` abandons the slot's drafter context instead (no DSpark draft for that long)
 LAZY_COMMIT_MAX = 64
 #: n-gram sizes the hybrid proposer tries (longest first); its calibration has a row per n
 HYBRID_MAX_NGRAM = 5
@@ -81,6 +84,9 @@ class Proposal:
         from_drafter: per sequence, whether its draft came from the DSpark drafter (``hybrid``:
             the others are n-gram drafts); ``None`` for the single-proposer methods.
         match_lengths: per sequence, the n-gram match length n of its n-gram draft (0: none or DSpark).
+        conf: per sequence, the conditional survival probabilities c_1.. of its draft as
+            calibrated offline, before :class:`~runtime.speculation.acceptance.AcceptanceTracker`
+            scaled them (what the tracker learns against); ``None`` for the unscheduled methods.
     """
 
     lengths: list[int]
@@ -90,6 +96,7 @@ class Proposal:
     gamma: int
     from_drafter: list[bool] | None = None
     match_lengths: list[int] | None = None
+    conf: list[list[float]] | None = None
 
 
 @dataclass
@@ -173,6 +180,14 @@ class Speculator:
         self._ngram_index: dict[int, NgramIndex] = {}
         self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
         self._ngram_counts: dict[int, tuple[float, float]] = {}  # slot -> (n-gram x_1 accepted, Σ calibrated c_1)
+        #: hybrid: slots whose drafter context was abandoned (n-gram drafts only until they are freed)
+        self._no_context: set[int] = set()
+        #: realised vs calibrated acceptance over the engine's verified rounds (acceptance.py)
+        self.learned = AcceptanceTracker()
+        #: measured round times that correct the SPS table's marginal row cost (live_cost.py);
+        #: ``None``: schedule on the table alone (tests that fix a table to fix the drafting volume)
+        self.live_cost: LiveRoundCost | None = LiveRoundCost()
+        self._round_draft_s = 0.0  # drafting seconds (context flush + draft) of the current round
 
     @staticmethod
     def _load_drafter(config: EngineConfig, target: LlamaModel):
@@ -205,6 +220,17 @@ class Speculator:
         the engine runs no speculation gate for it."""
         return self.method == "hybrid"
 
+    @property
+    def context_optional(self) -> bool:
+        """``hybrid`` serves a request without drafter context (n-gram drafts only), so the
+        prefix cache may hold target blocks whose drafter context was never computed
+        (:class:`runtime.engine.prefix_cache.PrefixCache`, ``optional`` stores)."""
+        return self.method == "hybrid"
+
+    def has_context(self, slot: int) -> bool:
+        """Whether ``slot``'s drafter context is kept (``False``: abandoned, :meth:`commit`)."""
+        return self.dcache is not None and slot not in self._no_context
+
     def queued(self, slot: int) -> int:
         """Positions of ``slot`` whose taps wait for the draft context (lazy commit)."""
         return self._queued.get(slot, 0)
@@ -228,16 +254,26 @@ class Speculator:
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
         self._ngram_counts.pop(slot, None)
+        self._no_context.discard(slot)
         if self.dcache is None:
             return
         if num_restored == 0:
             self.dcache.reset(slot)
+        elif self.dcache.lengths[slot] < num_restored and self.context_optional:
+            self._no_context.add(slot)  # cached by a request that had abandoned its drafter context
         elif self.dcache.lengths[slot] != num_restored:
             raise RuntimeError(f"slot {slot}: draft context has {self.dcache.lengths[slot]} positions, "
                                f"the target {num_restored} restored")
 
     def extend_context(self, taps: torch.Tensor | None, slots: Sequence[int], counts: Sequence[int]) -> None:
-        """Commit target taps ``[Σ counts, m, d]`` of newly cached positions."""
+        """Commit target taps ``[Σ counts, m, d]`` of newly cached positions (slots whose
+        drafter context was abandoned are skipped)."""
+        if self._no_context and taps is not None and any(s in self._no_context for s in slots):
+            keep = [i for i, s in enumerate(slots) if s not in self._no_context]
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            rows = [r for i in keep for r in range(starts[i], starts[i] + counts[i])]
+            taps = taps[torch.tensor(rows, dtype=torch.long)]
+            slots, counts = [slots[i] for i in keep], [counts[i] for i in keep]
         if self.drafter is not None and taps is not None and sum(counts) > 0:
             (self.fast or self.drafter).extend_context(self.dcache, taps, slots, counts)
 
@@ -259,7 +295,8 @@ class Speculator:
         # Which proposer each sequence uses is decided before anything is drafted, from past
         # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
         wanted = [i for i, (toks, _) in enumerate(rnd.ngrams)
-                  if use_drafter and (not toks or rnd.ngram_c1[i] < self._dspark_a1(seqs[i].slot))]
+                  if use_drafter and seqs[i].slot not in self._no_context
+                  and (not toks or rnd.ngram_c1[i] < self._dspark_a1(seqs[i]))]
         use = self._worth_drafting(seqs, rnd, wanted)
         if not use and not any(t for t, _ in rnd.ngrams):
             return None
@@ -272,13 +309,15 @@ class Speculator:
         request's n-gram draft with its calibrated first-position acceptance."""
         ngrams = ngrams if ngrams is not None else [([], 0)] * len(seqs)
         table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
+        context_len = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
         return _Round(
             sampling=sampling,
             weights=[sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs],
-            context_len=sum(s.num_cached for s in seqs) / max(len(seqs), 1),
-            table=table,
+            context_len=context_len,
+            table=(self.live_cost.corrected(table, self.round_mode(sampling), len(seqs), context_len)
+                   if self.live_cost is not None else table),
             ngrams=ngrams,
-            ngram_c1=[self._ngram_c1(s.slot, n) if toks else 0.0 for s, (toks, n) in zip(seqs, ngrams)],
+            ngram_c1=[self._ngram_c1(s, n) if toks else 0.0 for s, (toks, n) in zip(seqs, ngrams)],
         )
 
     def _worth_drafting(self, seqs, rnd: "_Round", wanted: list[int]) -> list[int]:
@@ -305,7 +344,7 @@ class Speculator:
                     W, B = W + v, B + 1
         t_round = 1.0 / table.sps(B, ctx)
         chosen = []
-        for v, i in sorted(((weights[i] * self._dspark_a1(seqs[i].slot), i) for i in wanted), reverse=True):
+        for v, i in sorted(((weights[i] * self._dspark_a1(seqs[i]), i) for i in wanted), reverse=True):
             t_next = 1.0 / table.sps(B + 1, ctx) + (len(chosen) + 1) * self.draft_seconds
             if not (W + v) / t_next > W / (t_round + len(chosen) * self.draft_seconds):
                 break
@@ -320,22 +359,29 @@ class Speculator:
         ds = None
         if drafted_rows:
             sub = [seqs[i] for i in drafted_rows]
+            t0 = time.perf_counter()
             self.flush([s.slot for s in sub])  # the drafter reads the whole committed context
             anchors = torch.tensor([s.last_token for s in sub], dtype=torch.long)
-            t0 = time.perf_counter()
             ds = self.draft(anchors, [s.slot for s in sub], rnd.sampling.select(drafted_rows))
-            per_seq = (time.perf_counter() - t0) / len(sub)  # measured, for later rounds' choices only
+            self._round_draft_s = time.perf_counter() - t0
+            per_seq = self._round_draft_s / len(sub)  # measured, for later rounds' choices only
             self._drafts_timed += 1  # a plain mean until 1/α samples, then exponential (as the gate's averages)
             self.draft_seconds += max(DRAFT_COST_ALPHA, 1.0 / self._drafts_timed) * (per_seq - self.draft_seconds)
-        conf: list[list[float]] = []
+        raw: list[list[float]] = []  # calibrated offline (what the tracker learns against)
+        conf: list[list[float]] = []  # scaled by the tracker's factors: what the budget ranks
         where = {i: j for j, i in enumerate(drafted_rows)}
         dconf = ds.confidence.tolist() if ds is not None else []
-        for i in range(len(seqs)):
+        for i, s in enumerate(seqs):
+            g = self._greedy(s)
             if i in picked:
-                conf.append(dconf[where[i]])
+                raw.append(dconf[where[i]])
+                conf.append(self.learned.scaled(("dspark", 0, False, g), ("dspark", 0, True, g), raw[-1]))
             else:
                 toks, n = rnd.ngrams[i]
-                conf.append([rnd.ngram_c1[i]] + self.ngram_conf[n][1 : len(toks)] if toks else [])
+                raw.append(self.ngram_conf[n][: len(toks)] if toks else [])
+                # c_1 already holds the tracker's and the request's own factors (_ngram_c1)
+                conf.append([rnd.ngram_c1[i]] + self.learned.scaled(("ngram", n, True, g), ("ngram", n, True, g), raw[-1][1:])
+                            if toks else [])
         plan = schedule(self.policy, conf, rnd.table, weights=rnd.weights, context_len=rnd.context_len)
         lengths = [min(l, self._room(s)) for l, s in zip(plan.lengths, seqs)]
         tokens, drafted = [], []
@@ -349,7 +395,22 @@ class Speculator:
         # Greedy rounds are verified from the target's argmax alone (spec_round): no p_d rows.
         probs = None if rnd.sampling.greedy else self._draft_probs(ds, drafted_rows, tokens, lengths)
         return Proposal(lengths, drafted, tokens, probs, self.gamma, [i in picked for i in range(len(seqs))],
-                        [0 if i in picked else rnd.ngrams[i][1] for i in range(len(seqs))])
+                        [0 if i in picked else rnd.ngrams[i][1] for i in range(len(seqs))], raw)
+
+    @staticmethod
+    def round_mode(sampling: SamplingBatch) -> str:
+        """The round-cost class of a batch: ``"greedy"`` (every row argmax), ``"seeded"`` (a
+        seeded sampled row: Gumbel noise per verified row) or ``"sampled"``."""
+        if sampling.greedy:
+            return "greedy"
+        return "seeded" if sampling.seeded_rows else "sampled"
+
+    def record_round(self, sampling: SamplingBatch, requests: int, rows: int, seconds: float) -> None:
+        """A decode round without prefill took ``seconds`` (its whole step) for ``requests``
+        requests and ``rows`` verified rows: fold it, minus its drafting, into :attr:`live_cost`."""
+        if self.live_cost is not None:
+            self.live_cost.record(self.round_mode(sampling), requests, rows, seconds - self._round_draft_s)
+        self._round_draft_s = 0.0
 
     def _draft_probs(self, ds, drafted_rows: list[int], tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """p_d rows fp32 ``[Σ ℓ_r, V]`` in request order: the drafter's for drafted rows, one-hot for n-gram rows."""
@@ -375,34 +436,57 @@ class Speculator:
         idx.sync(seq.token_ids)
         return idx.propose(self.gamma)
 
-    def _dspark_a1(self, slot: int) -> float:
-        """The request's first-position DSpark acceptance so far (past rounds only), shrunk
-        towards the drafter's prior with :data:`A1_PRIOR_WEIGHT` pseudo-rounds."""
-        hits, rounds = self._a1_counts.get(slot, (0, 0))
-        return (hits + A1_PRIOR_WEIGHT * self.a1_prior) / (rounds + A1_PRIOR_WEIGHT)
+    @staticmethod
+    def _greedy(seq: SequenceState) -> bool:
+        return seq.request.sampling.temperature <= 0
 
-    def _ngram_c1(self, slot: int, n: int) -> float:
-        """Calibrated first-position acceptance of an n-gram draft of match length n, scaled by
-        how the request's own n-gram drafts fared against calibration so far (past rounds
-        only; :data:`NGRAM_PRIOR_WEIGHT` pseudo-rounds at the calibrated rate)."""
-        hits, expected = self._ngram_counts.get(slot, (0.0, 0.0))
+    def _dspark_a1(self, seq: SequenceState) -> float:
+        """The request's first-position DSpark acceptance so far (past rounds only), shrunk
+        with :data:`A1_PRIOR_WEIGHT` pseudo-rounds towards the engine's: the drafter's prior
+        :data:`DRAFTER_A1_PRIOR` scaled by what the engine's recent drafted rounds of the same
+        sampling mode realised (:attr:`learned`)."""
+        prior = min(1.0, self.a1_prior * self.learned.factor(("dspark-a1", self._greedy(seq))))
+        hits, rounds = self._a1_counts.get(seq.slot, (0, 0))
+        return (hits + A1_PRIOR_WEIGHT * prior) / (rounds + A1_PRIOR_WEIGHT)
+
+    def _ngram_c1(self, seq: SequenceState, n: int) -> float:
+        """First-position acceptance of an n-gram draft of match length n: the offline
+        calibration, scaled by what the engine's recent n-gram drafts of that length and
+        sampling mode realised (:attr:`learned`), then by how the request's own n-gram drafts
+        fared against that so far (past rounds only; :data:`NGRAM_PRIOR_WEIGHT` pseudo-rounds
+        at the engine's rate)."""
+        c1 = self._ngram_engine_c1(n, self._greedy(seq))
+        hits, expected = self._ngram_counts.get(seq.slot, (0.0, 0.0))
         factor = (hits + NGRAM_PRIOR_WEIGHT) / (expected + NGRAM_PRIOR_WEIGHT)
-        return min(1.0, self.ngram_conf[n][0] * factor)
+        return min(1.0, c1 * factor)
+
+    def _ngram_engine_c1(self, n: int, greedy: bool) -> float:
+        """The offline c_{n,1} scaled by the engine's recent realised rate (no request's own record)."""
+        return min(1.0, self.ngram_conf[n][0] * self.learned.factor(("ngram", n, False, greedy)))
 
     def record_outcome(self, seqs: list[SequenceState], proposal: "Proposal", accepted: Sequence[int]) -> None:
-        """Fold a verified round into each request's record of its proposers (hybrid's choice):
-        DSpark first-position hits per drafted round, n-gram first-position hits vs calibration."""
-        if proposal.from_drafter is None or self.method != "hybrid":
+        """Fold a verified round into the engine's :attr:`learned` factors (every verified draft
+        position: accepted or not, against its offline conditional c_k) and, for ``hybrid``'s
+        choice, each request's record of its proposers: DSpark first-position hits per drafted
+        round, n-gram first-position hits vs the c_1 the budget was given."""
+        if proposal.from_drafter is None or proposal.conf is None:
             return
-        for s, mine, ell, acc, n in zip(seqs, proposal.from_drafter, proposal.lengths, accepted, proposal.match_lengths):
+        for s, mine, ell, acc, n, raw in zip(seqs, proposal.from_drafter, proposal.lengths, accepted,
+                                             proposal.match_lengths, proposal.conf):
             if ell == 0:
                 continue
+            g = self._greedy(s)
+            kind = "dspark" if mine else "ngram"
+            c1 = 0.0 if mine else self._ngram_engine_c1(n, g)  # what this round's c_1 was scaled from
+            for k in range(min(acc + 1, ell)):  # positions reached: 1..acc accepted, acc+1 rejected
+                self.learned.add((kind, n, k > 0, g), k < acc, raw[k])
             if mine:
+                self.learned.add(("dspark-a1", g), acc > 0, self.a1_prior)
                 hits, rounds = self._a1_counts.get(s.slot, (0, 0))
                 self._a1_counts[s.slot] = (hits + (acc > 0), rounds + 1)
             else:
                 hits, expected = self._ngram_counts.get(s.slot, (0.0, 0.0))
-                self._ngram_counts[s.slot] = (hits + (acc > 0), expected + self.ngram_conf[n][0])
+                self._ngram_counts[s.slot] = (hits + (acc > 0), expected + c1)
 
     def draft(self, anchors: torch.Tensor, slots: Sequence[int], sampling: SamplingBatch):
         """γ draft tokens per sequence with confidences: the fused CPU drafter
@@ -439,21 +523,38 @@ class Speculator:
         Lazily: a decode round's taps wait per slot until that slot is drafted next
         (:meth:`flush` in :meth:`propose`), so rounds that draft nothing do not run the
         drafter's context projection at all, and a flush commits many positions in one call;
-        a slot holding :data:`LAZY_COMMIT_MAX` positions is flushed at once (bounded memory)."""
+        a slot holding :data:`LAZY_COMMIT_MAX` positions is flushed at once (bounded memory) —
+        except under ``hybrid``, which abandons that slot's drafter context instead: it was
+        not DSpark-drafted for that many positions (its n-gram drafts or no draft paid
+        better), so the request goes on with n-gram drafts only and costs no drafter work
+        (at batch 16 the context costs ~2 % of a round). Decided from past rounds only."""
         if self.drafter is None or verify_taps is None:
+            return
+        if all(s.slot in self._no_context for s in seqs):
             return
         # Queued in the drafter's dtype: both drafters cast the taps to it first (exact, half the memory).
         taps = verify_taps[commit_rows].to(self.drafter.dtype)
         start, full = 0, []
         for s, n in zip(seqs, commit_counts):
-            if n:
+            if n and s.slot in self._no_context:
+                start += n
+            elif n:
                 self._pending.setdefault(s.slot, []).append(taps[start : start + n])
                 start += n
                 self._queued[s.slot] = q = self._queued.get(s.slot, 0) + n
                 if q >= LAZY_COMMIT_MAX:
                     full.append(s.slot)
-        if full:
+        if full and self.context_optional:
+            for slot in full:
+                self._abandon(slot)
+        elif full:
             self.flush(full)
+
+    def _abandon(self, slot: int) -> None:
+        """Drop ``slot``'s queued taps and stop keeping its drafter context (hybrid)."""
+        self._pending.pop(slot, None)
+        self._queued.pop(slot, None)
+        self._no_context.add(slot)
 
     def flush(self, slots: Sequence[int]) -> None:
         """Commit the queued taps of ``slots`` to the draft context, in one drafter call."""
@@ -468,8 +569,9 @@ class Speculator:
     def release(self, slot: int, keep_context: bool) -> None:
         """A sequence leaves ``slot``: commit its queued taps when its context is kept (the
         prefix cache stores only positions valid in every store), else drop them."""
-        if keep_context:
+        if keep_context and slot not in self._no_context:
             self.flush([slot])
+        self._no_context.discard(slot)
         self._pending.pop(slot, None)
         self._queued.pop(slot, None)
         self._ngram_index.pop(slot, None)

@@ -69,6 +69,8 @@ def run_method(model, tokenizer, method: str, policy: str) -> dict[str, dict]:
                        spec_policy=policy, spec_gate=False, sps_table_path=str(SPS_TABLE),
                        request_timeout_s=3600.0)  # a loaded 2-core CPU must not time the batch out
     engine = LLMEngine(cfg, lambda rid, ev: events.setdefault(rid, []).append(ev), model=model, tokenizer=tokenizer)
+    if engine.speculator is not None:
+        engine.speculator.live_cost = None  # the budget reads the committed table, never this machine's timings
     for i, text in enumerate(PROMPTS):
         engine.add_request(GenerationRequest(str(i), chat_ids(tokenizer, text),
                                              SamplingParams(temperature=0, max_tokens=MAX_TOKENS)))

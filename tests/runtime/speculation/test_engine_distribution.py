@@ -124,6 +124,7 @@ import runtime.speculation.speculator as speculator
 import runtime.speculation.verifier as verifier
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
+from runtime.speculation.acceptance import AcceptanceTracker
 from runtime.engine.sampler import request_generator
 from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import SeqSpan
@@ -631,6 +632,9 @@ def runs(gguf_model, tokenizer):
             assert engine.speculator.fast is not None or s.spec_method != "dspark"  # the served, fused drafter
             if s.sps is not None:
                 engine.speculator.sps_table = s.sps
+            engine.speculator.live_cost = None  # the drafting volume (the test's power) must not follow timings
+            if name in BUG_METHODS:  # nor the acceptance it learns: the planted bug needs its residual draws
+                engine.speculator.learned = AcceptanceTracker(prior=1e12)
             warm_up(engine, prompt)
             done[name] = (prompt, run_engine(engine, s, prompt, False),
                           run_engine(engine, s, prompt, True) if name in BUG_METHODS else None)
@@ -694,6 +698,7 @@ def sla_run(model, tokenizer, prompt: list[int], gold_target: float | None, spec
     )  # fmt: skip
     if engine.speculator is not None:
         engine.speculator.sps_table = sps_affine(1.0, 0.06)
+        engine.speculator.live_cost = None  # round times are the StepClock's, not this machine's
     clock = StepClock()
     real_weight = speculator.sla_weight
 

@@ -38,6 +38,15 @@ Lifecycle (driven by :class:`runtime.engine.scheduler.BatchScheduler`):
   (``min`` of the lengths and of the known tokens), so a rolled-back draft, a
   half-committed step or an aborted prefill never stores a wrong block.
 
+Optional stores. The ``hybrid`` speculator may abandon a request's drafter context (it
+drafts n-grams only from then on: :meth:`runtime.speculation.speculator.Speculator.commit`),
+so its draft store covers fewer positions than the target. Such a store is passed as
+*optional*: blocks are stored for the positions valid in every required store, and each
+block records whether each optional store's data was stored with it. :meth:`restore`
+restores an optional store only over the leading matched blocks that cover it (its
+length may be shorter than the target's), and :meth:`insert` of a block already cached
+without that store's data adds it when the slot now has it.
+
 Eviction (pool full): least recently used block first. Matches and inserts touch a
 chain from its last block back to its first, so a parent is always more recent than
 its children and is never evicted before them (no unreachable orphans).
@@ -94,6 +103,8 @@ class PrefixCache:
     Args:
         stores: slot stores whose positions are cached together (target KV first; see
             the module docstring). All must share slot ids.
+        optional: per store, whether it may cover fewer positions than the others
+            (module docstring, "Optional stores"); default: none.
         num_blocks: pool capacity in blocks (≥ 1; the engine builds none for 0).
         block_size: tokens per block (vLLM's default is 16; the SmolLM2 chat header
             with its default system prompt is 20+ tokens, so 16 already catches it).
@@ -102,11 +113,16 @@ class PrefixCache:
         ValueError: ``num_blocks`` or ``block_size`` < 1, or no stores.
     """
 
-    def __init__(self, stores: Sequence[SlotStore], num_blocks: int, block_size: int = 16) -> None:
-        if num_blocks < 1 or block_size < 1 or not stores:
-            raise ValueError(f"need num_blocks ≥ 1, block_size ≥ 1 and ≥ 1 store; "
-                             f"got {num_blocks}, {block_size}, {len(stores)}")
+    def __init__(self, stores: Sequence[SlotStore], num_blocks: int, block_size: int = 16,
+                 optional: Sequence[bool] | None = None) -> None:
+        optional = list(optional) if optional is not None else [False] * len(stores)
+        if num_blocks < 1 or block_size < 1 or not stores or len(optional) != len(stores) or all(optional):
+            raise ValueError(f"need num_blocks ≥ 1, block_size ≥ 1, ≥ 1 required store and a flag per store; "
+                             f"got {num_blocks}, {block_size}, {len(stores)} stores, optional {optional}")
         self.stores = list(stores)
+        self.optional = optional
+        #: per store, per pool block: whether the block holds that store's data (required stores: always)
+        self._covered = [[not opt] * num_blocks for opt in optional]
         self.num_blocks = num_blocks
         self.block_size = block_size
         # torch.empty: pages are only touched (resident) once a block is written.
@@ -161,14 +177,16 @@ class PrefixCache:
         for key, _ in reversed(matched):
             self._lru.move_to_end(key)
         m = len(matched) * B
-        if matched:
-            ids = torch.tensor([idx for _, idx in matched], dtype=torch.long)
-            for store, pool in zip(self.stores, self._pools):
+        for store, pool, covered in zip(self.stores, self._pools, self._covered):
+            nb = 0  # leading matched blocks that hold this store's data
+            while nb < len(matched) and covered[matched[nb][1]]:
+                nb += 1
+            if nb:
+                ids = torch.tensor([idx for _, idx in matched[:nb]], dtype=torch.long)
                 for dst, src in zip((store.k, store.v), pool):
                     L, _, H, _, D = src.shape
-                    dst[:, slot, :, :m] = src[:, ids].permute(0, 2, 1, 3, 4).reshape(L, H, m, D)
-        for store in self.stores:
-            store.lengths[slot] = m
+                    dst[:, slot, :, : nb * B] = src[:, ids].permute(0, 2, 1, 3, 4).reshape(L, H, nb * B, D)
+            store.lengths[slot] = nb * B
         self.queries += n
         self.hits += m
         return m
@@ -178,19 +196,22 @@ class PrefixCache:
         """Store the full blocks of ``slot`` not yet in the pool (keyed in the namespace of
         ``salt``); return how many were added.
 
-        Only the first ``min(len(token_ids), lengths[slot] of every store)`` positions
-        are trusted (position t of the slot holds the KV of ``token_ids[t]``). Stops
-        early, keeping what fits, when the pool holds nothing older than this chain.
+        Only the first ``min(len(token_ids), lengths[slot] of every required store)``
+        positions are trusted (position t of the slot holds the KV of ``token_ids[t]``); an
+        optional store's data goes with the blocks inside its own length. Stops early,
+        keeping what fits, when the pool holds nothing older than this chain.
         """
         B = self.block_size
-        valid = min([len(token_ids)] + [s.lengths[slot] for s in self.stores])
+        valid = min([len(token_ids)] + [s.lengths[slot] for s, o in zip(self.stores, self.optional) if not o])
         keys = block_hashes(token_ids, B, valid // B, salt)
         chain = set(keys)
         new: list[tuple[int, int]] = []  # (block index in the sequence, pool index)
+        old: list[tuple[int, int]] = []  # blocks already cached (an optional store may add its data)
         stored = 0
         for i, key in enumerate(keys):
             if key in self._lru:
                 self._lru.move_to_end(key)  # protect it from this insert's evictions
+                old.append((i, self._lru[key]))
             else:
                 idx = self._take_block(chain)
                 if idx is None:
@@ -200,15 +221,24 @@ class PrefixCache:
             stored = i + 1
         for key in reversed(keys[:stored]):
             self._lru.move_to_end(key)
-        if new:
-            blocks = torch.tensor([i for i, _ in new], dtype=torch.long)
-            ids = torch.tensor([idx for _, idx in new], dtype=torch.long)
-            nb = new[-1][0] + 1  # the slot prefix that holds every new block
-            for store, pool in zip(self.stores, self._pools):
-                for src, dst in zip((store.k, store.v), pool):
-                    L, H, D = src.shape[0], src.shape[2], src.shape[4]
-                    blocked = src[:, slot, :, : nb * B].view(L, H, nb, B, D)
-                    dst[:, ids] = blocked[:, :, blocks].permute(0, 2, 1, 3, 4)
+        for store, pool, opt, covered in zip(self.stores, self._pools, self.optional, self._covered):
+            write = new
+            if opt:
+                have = min(valid, store.lengths[slot]) // B  # blocks of this slot the store holds
+                for _, idx in new:
+                    covered[idx] = False
+                write = [(i, idx) for i, idx in new + old if i < have and not covered[idx]]
+                for _, idx in write:
+                    covered[idx] = True
+            if not write:
+                continue
+            blocks = torch.tensor([i for i, _ in write], dtype=torch.long)
+            ids = torch.tensor([idx for _, idx in write], dtype=torch.long)
+            nb = max(i for i, _ in write) + 1  # the slot prefix that holds every written block
+            for src, dst in zip((store.k, store.v), pool):
+                L, H, D = src.shape[0], src.shape[2], src.shape[4]
+                blocked = src[:, slot, :, : nb * B].view(L, H, nb, B, D)
+                dst[:, ids] = blocked[:, :, blocks].permute(0, 2, 1, 3, 4)
         return len(new)
 
     def _take_block(self, protect: set[bytes]) -> int | None:
@@ -242,7 +272,8 @@ def engine_prefix_cache(config, cache, speculator=None) -> PrefixCache | None:
     """
     if config.prefix_cache_blocks <= 0:
         return None
-    stores = [cache]
+    stores, optional = [cache], [False]
     if speculator is not None and speculator.dcache is not None:
         stores.append(speculator.dcache)
-    return PrefixCache(stores, config.prefix_cache_blocks, config.prefix_block_size)
+        optional.append(speculator.context_optional)
+    return PrefixCache(stores, config.prefix_cache_blocks, config.prefix_block_size, optional)

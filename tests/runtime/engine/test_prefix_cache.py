@@ -83,6 +83,37 @@ def test_insert_trusts_only_positions_valid_in_every_store_and_known_tokens():
         assert torch.equal(s.k[:, 1, :, :32], s.k[:, 0, :, :32]) and torch.equal(s.v[:, 1, :, :32], s.v[:, 0, :, :32])
 
 
+def test_an_optional_store_is_cached_where_it_covers_and_added_later():
+    """``hybrid`` abandons drafter contexts: the target's blocks are cached whatever the draft
+    store holds, the draft store's data only with the blocks it covers, and a later insert
+    from a slot that has it fills it in."""
+    target, draft = store(seed=1), store(seed=2)
+    pc = PrefixCache([target, draft], num_blocks=8, block_size=B, optional=[False, True])
+    toks = list(range(200, 265))
+    target.lengths[0], draft.lengths[0] = 64, 20  # drafter context abandoned after 20 positions
+    assert pc.insert(0, toks) == 4  # every target block, not just the drafter's one
+    assert pc.restore(1, toks) == 64 and (target.lengths[1], draft.lengths[1]) == (64, 16)
+    assert torch.equal(target.k[:, 1, :, :64], target.k[:, 0, :, :64])
+    assert torch.equal(draft.k[:, 1, :, :16], draft.k[:, 0, :, :16])
+    # slot 2 has the whole drafter context for the same tokens: its insert adds it to the cached blocks
+    for s in (target, draft):
+        s.k[:, 2], s.v[:, 2] = s.k[:, 0], s.v[:, 0]
+    draft.k[:, 2, :, 16:64] += 1.0  # (different values, so the test sees which slot they came from)
+    target.lengths[2], draft.lengths[2] = 64, 64
+    assert pc.insert(2, toks) == 0  # no new block...
+    assert pc.restore(1, toks) == 64 and draft.lengths[1] == 64  # ...but the drafter's data is there now
+    assert torch.equal(draft.k[:, 1, :, :64], draft.k[:, 2, :, :64]) and torch.equal(draft.v[:, 1, :, :64], draft.v[:, 2, :, :64])
+    # a gap: the draft store covers block 0 only, block 1 not, so block 2's data is not restored either
+    pc2 = PrefixCache([target, draft], num_blocks=8, block_size=B, optional=[False, True])
+    target.lengths[0], draft.lengths[0] = 64, 16
+    pc2.insert(0, toks)
+    target.lengths[2], draft.lengths[2] = 48, 48
+    pc2._covered[1][pc2._lru[block_hashes(toks, B, 2)[1]]] = False  # as if evicted and re-cached without it
+    assert pc2.restore(1, toks) == 64 and draft.lengths[1] == 16
+    with pytest.raises(ValueError):
+        PrefixCache([target], num_blocks=8, optional=[True])  # at least one required store
+
+
 def test_lru_evicts_the_oldest_chain_tail_first():
     c = store()
     pc = PrefixCache([c], num_blocks=3, block_size=B)
@@ -345,6 +376,50 @@ def test_speculative_outputs_equal_autoregressive_with_reuse(target_fp32, tokeni
     assert all(h >= 80 for h in r.hits[1:])
     if method == "dspark":
         assert len(r.engine.prefix_cache.stores) == 2  # target KV + drafter context
+
+
+@pytest.mark.model
+def test_hybrid_abandoned_drafter_contexts_keep_outputs_and_target_reuse(target_fp32, tokenizer, reference, monkeypatch):
+    """``hybrid`` with every request's drafter context abandoned after 8 positions without a
+    DSpark draft: T = 0 outputs are still plain decoding's, the target KV of replies is still
+    reused by the next turn, and a request restored past its drafter context drafts n-grams only."""
+    from runtime.speculation import speculator as sp_mod
+
+    monkeypatch.setattr(sp_mod, "LAZY_COMMIT_MAX", 8)
+    ref_hist = reference[0]
+    r = Runner(target_fp32, tokenizer, spec_method="hybrid", spec_policy="fixed", prefix_block_size=B)
+    sp = r.engine.speculator
+    sp._worth_drafting = lambda seqs, rnd, wanted: []  # never a DSpark draft: every context is abandoned
+    drafted = []
+    propose = sp._propose_blocks
+
+    def spy(seqs, rnd, rows):
+        drafted.append([(seqs[i].slot, sp.has_context(seqs[i].slot)) for i in rows])
+        return propose(seqs, rnd, rows)
+
+    sp._propose_blocks = spy
+    abandoned: list[int] = []
+    abandon = sp._abandon
+    sp._abandon = lambda slot: (abandoned.append(slot), abandon(slot))
+    hist = scenario(r, tokenizer)
+    assert [c for _, c in hist] == [c for _, c in ref_hist]
+    assert abandoned and r.hits == expected_hits(hist)  # the target's reuse is unchanged
+    assert all(not rows for rows in drafted)
+    pc = r.engine.prefix_cache
+    assert pc.optional == [False, True] and not all(pc._covered[1][i] for i in pc._lru.values())
+    # the next request restores the whole history for the target, only part of it for the drafter:
+    # its slot keeps no drafter context, and even a DSpark-hungry budget drafts nothing for it
+    sp._worth_drafting = lambda seqs, rnd, wanted: wanted
+    seen = []
+    sp._propose_blocks = lambda seqs, rnd, rows: (seen.append((rows, [sp.has_context(s.slot) for s in seqs])),
+                                                  propose(seqs, rnd, rows))[1]
+    p, c = hist[-1]
+    assert r.ask(p + c) and r.hits[-1] >= len(p) // B * B
+    assert seen and all(rows == [] and has == [False] for rows, has in seen)
+    # a fresh prompt (no hit) keeps its drafter context and is DSpark-drafted again
+    seen.clear()
+    r.ask(single_turn(tokenizer, OTHER_SYSTEM, "Name a colour."))
+    assert all(has == [True] for _, has in seen) and any(rows == [0] for rows, _ in seen)
 
 
 @pytest.mark.model

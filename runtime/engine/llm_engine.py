@@ -266,7 +266,8 @@ class LLMEngine:
             if seq.timings.started is None:
                 seq.timings.started = time.monotonic()
                 if spec is not None:
-                    spec.start_sequence(seq.slot, seq.num_cached)  # > 0: prefix-cache hit
+                    # num_cached > 0: a prefix-cache hit; the others running will decode beside it
+                    spec.start_sequence(seq.slot, seq.num_cached, seq, len(self.scheduler.running) - 1)
             spans.append(SeqSpan(seq.slot, seq.num_cached, n))
             ids.extend(seq.token_ids[seq.num_cached : seq.num_cached + n])
             if n == seq.prompt_remaining:

@@ -71,34 +71,45 @@ class LiveRoundCost:
 
     def factors(self, mode: str, requests: int, table, context_len: float | None) -> list[float]:
         """k(E) for E = 0..:data:`MAX_EXTRA` (see the module docstring)."""
-        base = self.measured(mode, requests, 0)
-        ks = [1.0]
-        t0 = table.round_seconds(requests, context_len)
-        for e in range(1, MAX_EXTRA + 1):
-            m = self.measured(mode, requests, e) if base is not None else None
-            if m is None:
-                ks.append(max(1.0, ks[-1]))
-                continue
-            k = (m / base) / (table.round_seconds(requests + e, context_len) / t0)
-            ks.append(min(CLAMP, max(1.0 / CLAMP, k)))
-        return ks
+        view = self.corrected(table, mode, requests, context_len)
+        return [view.factor(e) for e in range(MAX_EXTRA + 1)]
 
     def corrected(self, table, mode: str, requests: int, context_len: float | None) -> "CorrectedTable":
-        """``table`` as seen by a round of ``requests`` requests in ``mode``."""
-        return CorrectedTable(table, requests, self.factors(mode, requests, table, context_len))
+        """``table`` as seen by a round of ``requests`` requests in ``mode`` (factors computed
+        on first use: a round asks for a few E only)."""
+        return CorrectedTable(table, self, mode, requests, context_len)
 
 
 class CorrectedTable:
     """An SPS table (``.sps(B, context_len)``, ``.round_seconds``) whose round time at
     B = r + E verified rows is the profiled one × k(E) (:class:`LiveRoundCost`)."""
 
-    def __init__(self, table, requests: int, factors: list[float]) -> None:
-        self.table, self.requests, self.factors = table, requests, factors
+    def __init__(self, table, cost: LiveRoundCost, mode: str, requests: int, context_len: float | None) -> None:
+        self.table, self.requests = table, requests
+        self._cost, self._mode, self._ctx = cost, mode, context_len
+        self._base = cost.measured(mode, requests, 0)
+        self._k = [1.0]  # k(0..len−1), filled on demand
+
+    def factor(self, extra: int) -> float:
+        """k(E) (module docstring); E beyond :data:`MAX_EXTRA` carries k(MAX_EXTRA)."""
+        extra = min(max(extra, 0), MAX_EXTRA)
+        while len(self._k) <= extra:
+            e = len(self._k)
+            m = self._cost.measured(self._mode, self.requests, e) if self._base is not None else None
+            if m is None:
+                self._k.append(max(1.0, self._k[-1]))
+                continue
+            profiled = self.table.round_seconds(self.requests + e, self._ctx) / self.table.round_seconds(self.requests, self._ctx)
+            self._k.append(min(CLAMP, max(1.0 / CLAMP, (m / self._base) / profiled)))
+        return self._k[extra]
+
+    @property
+    def factors(self) -> list[float]:
+        """k(E) for E = 0..:data:`MAX_EXTRA`."""
+        return [self.factor(e) for e in range(MAX_EXTRA + 1)]
 
     def round_seconds(self, B: float, context_len: float | None = None) -> float:
-        e = int(B) - self.requests
-        k = self.factors[min(max(e, 0), len(self.factors) - 1)]
-        return self.table.round_seconds(B, context_len) * k
+        return self.table.round_seconds(B, context_len) * self.factor(int(B) - self.requests)
 
     def sps(self, B: float, context_len: float | None = None) -> float:
         return 1.0 / self.round_seconds(B, context_len)

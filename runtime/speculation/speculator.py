@@ -227,6 +227,23 @@ class Speculator:
         (:class:`runtime.engine.prefix_cache.PrefixCache`, ``optional`` stores)."""
         return self.method == "hybrid"
 
+    def _context_pays(self, seq: SequenceState, batch: int) -> bool:
+        """Whether the budget could draft ``seq`` with DSpark beside ``batch`` other decoding
+        requests: :meth:`_worth_drafting`'s test for one request of weight 1 with the engine's
+        prior first-position acceptance (0.4 × its recent realised ratio) — what it will be
+        judged on until it has DSpark rounds of its own. Requests with an SLA target keep
+        their context (their weight may exceed 1). Past rounds only: lossless."""
+        if seq.request.sla_target_tokens_per_s is not None:
+            return True
+        greedy = self._greedy(seq)
+        table = self.sps_table_greedy if greedy and self.sps_table_greedy is not None else self.sps_table
+        B, ctx = batch + 1, float(seq.num_prompt)
+        if self.live_cost is not None:
+            table = self.live_cost.corrected(table, "greedy" if greedy else "sampled", B, ctx)
+        v = min(1.0, self.a1_prior * self.learned.factor(("dspark-a1", greedy)))
+        t_round = table.round_seconds(B, ctx)
+        return (B + v) / (table.round_seconds(B + 1, ctx) + self.draft_seconds) > B / t_round
+
     def has_context(self, slot: int) -> bool:
         """Whether ``slot``'s drafter context is kept (``False``: abandoned, :meth:`commit`)."""
         return self.dcache is not None and slot not in self._no_context
@@ -241,10 +258,15 @@ class Speculator:
         """Target layers whose hidden states the drafter needs from every forward."""
         return self.drafter.tap_layers if self.drafter is not None else []
 
-    def start_sequence(self, slot: int, num_restored: int = 0) -> None:
+    def start_sequence(self, slot: int, num_restored: int = 0, seq: SequenceState | None = None,
+                       batch: int = 0) -> None:
         """A sequence starts prefilling in ``slot``. Its first ``num_restored`` positions
         came from the prefix cache (:mod:`runtime.engine.prefix_cache`), which restores the
         draft context of those positions together with the target KV.
+
+        ``hybrid`` with ``seq`` given: when a DSpark draft of a request like it would not pay
+        beside ``batch`` decoding requests (:meth:`_context_pays`), the request gets no drafter
+        context at all — its prompt's context is never computed — and drafts n-grams only.
 
         Raises:
             RuntimeError: the draft context does not hold exactly ``num_restored`` positions.
@@ -257,7 +279,10 @@ class Speculator:
         self._no_context.discard(slot)
         if self.dcache is None:
             return
-        if num_restored == 0:
+        if seq is not None and self.context_optional and not self._context_pays(seq, batch):
+            self._no_context.add(slot)
+            self.dcache.lengths[slot] = min(self.dcache.lengths[slot], num_restored)
+        elif num_restored == 0:
             self.dcache.reset(slot)
         elif self.dcache.lengths[slot] < num_restored and self.context_optional:
             self._no_context.add(slot)  # cached by a request that had abandoned its drafter context

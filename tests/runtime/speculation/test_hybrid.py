@@ -227,3 +227,37 @@ def test_a_draft_that_cannot_pay_for_itself_is_not_drafted(target_fp32, tokenize
     engine, spec = run(target_fp32, tokenizer, prompts[1:], setup, spec_method="hybrid", spec_policy="dspark-sla")
     assert spec == plain
     assert (len(calls) > 10) if drafts else calls == [], calls
+
+
+def test_a_request_that_dspark_cannot_pay_for_gets_no_drafter_context(target_fp32, tokenizer):
+    """hybrid at admission: beside a batch where even the engine's prior acceptance cannot pay
+    for a drafted row, the new request gets no drafter context (its prompt's is never computed);
+    alone, or with an SLA target (its weight may exceed 1), it keeps it."""
+    from types import SimpleNamespace
+
+    from runtime.speculation.sps import SpsTable
+
+    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=4, max_context=256, spec_method="hybrid"),
+                       lambda rid, ev: None, model=target_fp32, tokenizer=tokenizer)
+    spec = engine.speculator
+    spec.live_cost = None
+    # rows nearly free up to 2, then each verified row costs as much as the whole round before it
+    spec.sps_table = spec.sps_table_greedy = SpsTable([1, 2, 3, 4, 8], [1024], [[100.0, 99.0, 50.0, 25.0, 12.5]],
+                                                      enforce_throughput=False)
+    spec.draft_seconds = 0.0
+
+    def seq(target=None):
+        return SimpleNamespace(request=SimpleNamespace(sla_target_tokens_per_s=target,
+                                                       sampling=SimpleNamespace(temperature=0.0)), num_prompt=100)
+
+    spec.start_sequence(0, 0, seq(), batch=0)
+    assert spec.has_context(0)
+    spec.start_sequence(1, 0, seq(), batch=2)  # a 4th row would double the round: 0.4 tokens cannot pay
+    assert not spec.has_context(1) and spec.dcache.lengths[1] == 0
+    spec.start_sequence(2, 0, seq(target=50.0), batch=2)
+    assert spec.has_context(2)
+    spec.extend_context(torch.zeros(5, len(spec.tap_layers), target_fp32.cfg.hidden_size), [0, 1], [3, 2])
+    assert (spec.dcache.lengths[0], spec.dcache.lengths[1]) == (3, 0)  # the context-less slot is skipped
+    spec.release(1, keep_context=True)
+    spec.start_sequence(1, 0, seq(), batch=0)
+    assert spec.has_context(1)

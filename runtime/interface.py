@@ -409,6 +409,9 @@ class LoadSnapshot:
     decode_rows: int = 0  # engine counter: request-rounds (Σ over decode rounds of the requests in each)
     zero_budget_rows: int = 0  # engine counter: request-rounds verified with ℓ_r = 0 (no draft token)
     decode_tokens: int = 0  # engine counter: tokens decode rounds produced (τ = decode_tokens / decode_rows)
+    # live survival correction: (proposer, n, position, sampling, realised ÷ calibrated acceptance), see
+    # runtime/speculation/acceptance.py; empty without a speculator (or before its first verified draft)
+    acceptance_ratios: list[tuple[str, str, str, str, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -282,6 +282,12 @@ class StateCollector:
         yield CounterMetricFamily("sparkgate:engine_decode_tokens",
                                   "Tokens decode rounds produced; tau = rate(decode_tokens) / rate(decode_rows).",
                                   load.decode_tokens)
+        ratio = GaugeMetricFamily("sparkgate:spec_acceptance_ratio",
+                                  "Realised / calibrated draft acceptance the budget scales survival by (decayed).",
+                                  labels=("proposer", "n", "position", "sampling"))
+        for proposer, n, position, sampling, value in load.acceptance_ratios:
+            ratio.add_metric([proposer, n, position, sampling], value)
+        yield ratio
         yield CounterMetricFamily("sparkgate:prefix_cache_queries",
                                   "Prefix cache queries, in prompt tokens looked up.", load.prefix_cache_queries)
         yield CounterMetricFamily("sparkgate:prefix_cache_hits",

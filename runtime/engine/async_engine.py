@@ -94,7 +94,8 @@ class AsyncEngine(GatewayTokenization):
         return LoadSnapshot(e.num_running, e.num_waiting + self._pending_adds, self.config.max_batch_size,
                             e.forward_steps, e.decode_steps, e.verify_tokens,
                             pc.queries if pc is not None else 0, pc.hits if pc is not None else 0,
-                            e.spec_steps, e.gated_steps, e.decode_rows, e.zero_budget_rows, e.decode_tokens)
+                            e.spec_steps, e.gated_steps, e.decode_rows, e.zero_budget_rows, e.decode_tokens,
+                            e.speculator.learned.labelled() if e.speculator is not None else [])
 
     def spec_info(self) -> SpecInfo:
         spec = self.engine.speculator if self.engine is not None else None

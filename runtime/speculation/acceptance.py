@@ -80,5 +80,19 @@ class AcceptanceTracker:
         return [min(1.0, conf[0] * f1)] + [min(1.0, c * f2) for c in conf[1:]]
 
     def snapshot(self) -> dict[str, float]:
-        """``{str(key): factor}`` for every key seen (for /admin and logs)."""
+        """``{str(key): factor}`` for every key seen (for logs)."""
         return {str(k): round(self.factor(k), 4) for k in self._sums}
+
+    def labelled(self) -> list[tuple[str, str, str, str, float]]:
+        """``(proposer, n, position, sampling, factor)`` for every key the speculator uses
+        (``("ngram"|"dspark", n, later, greedy)`` and ``("dspark-a1", greedy)``, the DSpark prior
+        of a new request: proposer ``dspark-prior``), sorted; for the ``sparkgate:spec_acceptance_ratio`` gauge."""
+        out = []
+        for key in self._sums:
+            if len(key) == 4:
+                proposer, n, later, greedy = key
+                out.append((proposer, str(n), "later" if later else "first", "greedy" if greedy else "sampled",
+                            self.factor(key)))
+            elif len(key) == 2:
+                out.append(("dspark-prior", "0", "first", "greedy" if key[1] else "sampled", self.factor(key)))
+        return sorted(out)

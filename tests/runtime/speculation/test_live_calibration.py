@@ -36,6 +36,17 @@ def test_tracker_factor_is_realised_over_calibrated_with_a_prior():
     assert t.scaled("k", "later", []) == []
 
 
+def test_tracker_labels_name_every_key_the_speculator_uses():
+    t = AcceptanceTracker()
+    t.add(("ngram", 3, False, True), True, 0.5)
+    t.add(("dspark", 0, True, False), False, 0.5)
+    t.add(("dspark-a1", False), True, 0.4)
+    assert [row[:4] for row in t.labelled()] == [("dspark", "0", "later", "sampled"),
+                                                 ("dspark-prior", "0", "first", "sampled"),
+                                                 ("ngram", "3", "first", "greedy")]
+    assert t.labelled()[2][4] == pytest.approx(t.factor(("ngram", 3, False, True)))
+
+
 def test_tracker_forgets_old_observations():
     t = AcceptanceTracker(window=32, prior=1.0)
     for _ in range(500):

@@ -169,6 +169,13 @@ def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path,
             rounds += st["rounds"]
             emitted += st["emitted"]
         decode, spec, gated, rows, zero, tokens = engine_counters(base)
+        text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+        ratios = {tuple(s.labels[k] for k in ("proposer", "n", "position", "sampling")): s.value
+                  for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "sparkgate:spec_acceptance_ratio"}
+    # the live survival correction of the verified DSpark drafts (greedy), and the prior of new requests
+    assert ("dspark", "0", "first", "greedy") in ratios and ("dspark-prior", "0", "first", "greedy") in ratios, ratios
+    assert all(0.0 < v < 10.0 for v in ratios.values()), ratios
     assert spec + gated == decode == rounds == rows  # one request at a time: each decode round is one of its rounds
     assert gated <= zero < rows  # gated rounds verify no draft; some drafting rounds may get ℓ = 0 too
     # every emitted token came from a decode round; only a request's last round may produce tokens

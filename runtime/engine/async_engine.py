@@ -95,7 +95,7 @@ class AsyncEngine(GatewayTokenization):
                             e.forward_steps, e.decode_steps, e.verify_tokens,
                             pc.queries if pc is not None else 0, pc.hits if pc is not None else 0,
                             e.spec_steps, e.gated_steps, e.decode_rows, e.zero_budget_rows, e.decode_tokens,
-                            e.speculator.learned.labelled() if e.speculator is not None else [])
+                            spec.learned.labelled() if (spec := getattr(e, "speculator", None)) is not None else [])
 
     def spec_info(self) -> SpecInfo:
         spec = self.engine.speculator if self.engine is not None else None

@@ -100,12 +100,14 @@ async def test_real_postgres_outage_keeps_serving_buffers_records_and_drains(clu
         r = await client.post("/v1/chat/completions", json=chat(), headers=bearer("sk-sg-unknown-key-xyz"))
         assert r.status_code == 503 and r.json()["error"]["code"] == "auth_unavailable"  # unknown: can't tell
         await async_wait_until(lambda: w.write_errors >= 1, "a failed record write")
-        assert w.buffered == 20 and w.dropped == 10 and w.last_error
+        # 31 records met a full buffer of 20: the 30 served ones, and maybe already the 503's rejected
+        # one (queued after the 30; a CI run counted it dropped before this line: 11)
+        assert w.buffered == 20 and w.dropped in (10, 11) and w.last_error
         assert w.written == 5
 
         await asyncio.to_thread(cluster.start)
         await async_wait_until(lambda: w.buffered == 0, "the buffer drained")  # writer backoff is ≤ 5 s
-        assert w.written == 25 and w.dropped == 10
+        assert w.written == 25 and w.dropped in (10, 11)
         assert (await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
     engine = make_engine(url)
     try:

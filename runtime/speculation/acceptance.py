@@ -79,10 +79,6 @@ class AcceptanceTracker:
         f1, f2 = self.factor(key_first), self.factor(key_later)
         return [min(1.0, conf[0] * f1)] + [min(1.0, c * f2) for c in conf[1:]]
 
-    def snapshot(self) -> dict[str, float]:
-        """``{str(key): factor}`` for every key seen (for logs)."""
-        return {str(k): round(self.factor(k), 4) for k in self._sums}
-
     def labelled(self) -> list[tuple[str, str, str, str, float]]:
         """``(proposer, n, position, sampling, factor)`` for every key the speculator uses
         (``("ngram"|"dspark", n, later, greedy)`` and ``("dspark-a1", greedy)``, the DSpark prior

@@ -69,11 +69,6 @@ class LiveRoundCost:
         c = self.cells.get((mode, requests, extra))
         return c.mean if c is not None and c.n >= MIN_SAMPLES else None
 
-    def factors(self, mode: str, requests: int, table, context_len: float | None) -> list[float]:
-        """k(E) for E = 0..:data:`MAX_EXTRA` (see the module docstring)."""
-        view = self.corrected(table, mode, requests, context_len)
-        return [view.factor(e) for e in range(MAX_EXTRA + 1)]
-
     def corrected(self, table, mode: str, requests: int, context_len: float | None) -> "CorrectedTable":
         """``table`` as seen by a round of ``requests`` requests in ``mode`` (factors computed
         on first use: a round asks for a few E only)."""

@@ -303,10 +303,11 @@ class LLMEngine:
                                       else sum(1 for ell in proposal.lengths if ell == 0))
             self.decode_tokens += produced
             if not plan.prefill:  # prefill chunks would blur the step's cost
+                seconds = time.perf_counter() - t0
                 if self.gate is not None:
-                    self.gate.record(len(plan.decode), speculate, time.perf_counter() - t0, produced)
+                    self.gate.record(len(plan.decode), speculate, seconds, produced)
                 if spec is not None:
-                    spec.record_round(sampling, len(plan.decode), num_verify_rows, time.perf_counter() - t0)
+                    spec.record_round(sampling, len(plan.decode), num_verify_rows, seconds)
         if prefill_done:
             logits = out.logits[num_verify_rows:]
             tokens = SamplingBatch.of(prefill_done).draw(self._processed(logits, prefill_done, None)).tolist()

@@ -28,6 +28,7 @@ of draft enter ONE verification budget (Alg. 1) with their calibrated survival p
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -236,10 +237,8 @@ class Speculator:
         if seq.request.sla_target_tokens_per_s is not None:
             return True
         greedy = self._greedy(seq)
-        table = self.sps_table_greedy if greedy and self.sps_table_greedy is not None else self.sps_table
         B, ctx = batch + 1, float(seq.num_prompt)
-        if self.live_cost is not None:
-            table = self.live_cost.corrected(table, "greedy" if greedy else "sampled", B, ctx)
+        table = self._table(greedy, "greedy" if greedy else "sampled", B, ctx)
         v = min(1.0, self.a1_prior * self.learned.factor(("dspark-a1", greedy)))
         t_round = table.round_seconds(B, ctx)
         return (B + v) / (table.round_seconds(B + 1, ctx) + self.draft_seconds) > B / t_round
@@ -295,7 +294,7 @@ class Speculator:
         drafter context was abandoned are skipped)."""
         if self._no_context and taps is not None and any(s in self._no_context for s in slots):
             keep = [i for i, s in enumerate(slots) if s not in self._no_context]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
+            starts = [0, *itertools.accumulate(counts)]
             rows = [r for i in keep for r in range(starts[i], starts[i] + counts[i])]
             taps = taps[torch.tensor(rows, dtype=torch.long)]
             slots, counts = [slots[i] for i in keep], [counts[i] for i in keep]
@@ -310,6 +309,7 @@ class Speculator:
         ``dspark``/``parallel``/``prompt_lookup``; ``hybrid`` still verifies the n-gram drafts its
         budget admits (they cost no drafting). Returns ``None`` when nothing was drafted (a plain
         decode step)."""
+        self._round_draft_s = 0.0  # this round's drafting, subtracted from its measured time (record_round)
         if self.method == "prompt_lookup":
             return self._propose_ngram(seqs) if use_drafter else None
         if self.method != "hybrid":
@@ -333,17 +333,21 @@ class Speculator:
         table for this sampling mode (greedy rounds verify cheaper: sps_profiler.py) and each
         request's n-gram draft with its calibrated first-position acceptance."""
         ngrams = ngrams if ngrams is not None else [([], 0)] * len(seqs)
-        table = self.sps_table_greedy if sampling.greedy and self.sps_table_greedy is not None else self.sps_table
         context_len = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
         return _Round(
             sampling=sampling,
             weights=[sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs],
             context_len=context_len,
-            table=(self.live_cost.corrected(table, self.round_mode(sampling), len(seqs), context_len)
-                   if self.live_cost is not None else table),
+            table=self._table(sampling.greedy, self.round_mode(sampling), len(seqs), context_len),
             ngrams=ngrams,
             ngram_c1=[self._ngram_c1(s, n) if toks else 0.0 for s, (toks, n) in zip(seqs, ngrams)],
         )
+
+    def _table(self, greedy: bool, mode: str, requests: int, context_len: float):
+        """The SPS table of a round of ``requests`` requests: the greedy profile for an all-greedy
+        batch (when profiled), else the sampled one, corrected by :attr:`live_cost` for ``mode``."""
+        table = self.sps_table_greedy if greedy and self.sps_table_greedy is not None else self.sps_table
+        return self.live_cost.corrected(table, mode, requests, context_len) if self.live_cost is not None else table
 
     def _worth_drafting(self, seqs, rnd: "_Round", wanted: list[int]) -> list[int]:
         """The requests of ``wanted`` whose DSpark draft is expected to pay for itself: the

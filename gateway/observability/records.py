@@ -10,7 +10,10 @@ batch is full), re-aggregates the touched minutes into ``usage_rollups`` every
 
 Database down: rows stay in the buffer (retried with backoff up to 5 s) until it holds
 ``record_buffer_max`` rows; further records are dropped and counted in
-:attr:`RecordWriter.dropped` (and logged). When the database is back the buffer
+:attr:`RecordWriter.dropped` (and logged) — a whole request at a time: the end row of a
+request whose ``running`` row was kept always gets in (so the buffer can exceed the bound by
+the number of requests running when it filled), and a finished request is never left
+``running``. When the database is back the buffer
 drains. On shutdown (:meth:`RecordWriter.stop`, from the app lifespan) the buffer is
 flushed, bounded by a timeout.
 
@@ -172,6 +175,7 @@ class RecordWriter:
         self.swept = 0  # running rows of dead replicas marked incomplete by this replica
         self._last_sweep = -math.inf
         self._starts: dict[str, dict] = {}  # request id → its running row, still buffered
+        self._open: set[str] = set()  # ids whose running row was kept (buffered or written), not ended yet
         self.last_error: str | None = None
 
     @classmethod
@@ -194,16 +198,21 @@ class RecordWriter:
                                         ended_mono=ctx.received_mono))
         row["replica"] = self.replica_id
         self._starts[row["id"]] = row
+        self._open.add(row["id"])
         self._buffer.append(row)
 
     def request_ended(self, outcome: RequestOutcome) -> None:
-        """Enqueue the outcome's row and return (never blocks, never raises)."""
+        """Enqueue the outcome's row and return (never blocks, never raises). Dropped at a
+        full buffer only if the request's ``running`` row was not kept either."""
         start = self._starts.pop(outcome.ctx.request_id, None)
         if start is not None:  # its running row is still buffered (not being written): replace it in place
+            self._open.discard(outcome.ctx.request_id)
             start.clear()
             start.update(record_row(outcome), replica=self.replica_id)
             return
-        if len(self._buffer) >= self.max_buffer:
+        opened = outcome.ctx.request_id in self._open
+        self._open.discard(outcome.ctx.request_id)
+        if len(self._buffer) >= self.max_buffer and not opened:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("request-record buffer full (%d rows, database: %s); %d records dropped so far",

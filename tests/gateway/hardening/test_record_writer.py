@@ -107,6 +107,37 @@ async def test_unreachable_database_keeps_rows_buffered_not_rejected():
     assert (writer.buffered, writer.rejected, writer.written) == (2, 0, 0)
 
 
+async def test_a_full_buffer_drops_whole_requests_never_an_end_row_whose_start_was_kept(tenancy_db):
+    """Database down, buffer bound 2: two requests' ``running`` rows fill it and a write attempt
+    takes them (they can no longer be replaced in place); a third request is refused. When all
+    three end, the two kept requests' end rows get in past the bound and the third is dropped
+    whole — so after the database returns no finished request is left ``running``."""
+    down = make_engine("postgresql+asyncpg://postgres@127.0.0.1:1/none")
+    writer = RecordWriter(make_sessionmaker(down), max_buffer=2)
+    outs = [outcome(i) for i in range(3)]
+    writer.request_started(outs[0].ctx)
+    writer.request_started(outs[1].ctx)
+    try:
+        with pytest.raises(OSError):
+            await writer.flush()  # the attempt that takes both running rows
+    finally:
+        await down.dispose()
+    writer.request_started(outs[2].ctx)  # full: refused
+    for o in outs:
+        writer.request_ended(o)
+    assert (writer.buffered, writer.dropped) == (4, 1)
+    engine = make_engine(tenancy_db)
+    writer.sessionmaker = make_sessionmaker(engine)  # the database is back
+    try:
+        await writer.flush()
+        async with writer.sessionmaker() as s:
+            rows, _ = await crud_records.query_records(s, limit=10)
+    finally:
+        await engine.dispose()
+    assert sorted((r.id, r.status) for r in rows) == [("req-0", "finished"), ("req-1", "finished")]
+    assert (writer.written, writer.dropped, writer.buffered) == (2, 1, 0)
+
+
 def test_row_errors_are_told_from_database_errors():
     from gateway.observability.records import is_row_error
 

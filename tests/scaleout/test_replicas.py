@@ -228,20 +228,37 @@ def test_sigterm_drains_one_replica_while_the_other_serves(cluster):
     for t in ts:
         t.start()
     wait_until(lambda: len(cluster.standin.standin.active) == 2, "two streams on ra")
-    ra.proc.send_signal(signal.SIGTERM)
-    new = [httpx.post(cluster.lb + "/v1/chat/completions", json=chat(stream=False), headers=h, timeout=30)
-           for _ in range(4)]
-    assert [r.status_code for r in new] == [200] * 4  # the balancer sends them to rb
-    for t in ts:
-        t.join()
-    assert [r.status_code for r in held] == [200, 200] and all(stream_ids(r)[1] for r in held)  # drained
-    assert ra.proc.wait(20) == -signal.SIGTERM  # uvicorn re-raises the signal after its graceful shutdown
-    assert "Traceback" not in ra.log.read_text()
-    rows = {r["id"]: r for r in cluster.records()}
-    for r in held:
-        assert rows[stream_ids(r)[0]]["status"] == "finished" and rows[stream_ids(r)[0]]["replica"] == "ra"
-    assert {rows[r.json()["id"]]["replica"] for r in new} == {"rb"}
-    ra.launch()  # back for the next test (which needs it to sweep)
+    try:
+        ra.proc.send_signal(signal.SIGTERM)
+        # uvicorn notices the signal within its 0.1 s tick and then stops listening: until then ra
+        # still takes new requests (and would drain them too), so the new ones are sent after that
+        wait_until(lambda: refuses(ra.url), "ra to stop listening", timeout_s=10)
+        new = [httpx.post(cluster.lb + "/v1/chat/completions", json=chat(stream=False), headers=h, timeout=30)
+               for _ in range(4)]
+        assert [r.status_code for r in new] == [200] * 4  # the balancer sends them to rb
+        for t in ts:
+            t.join()
+        assert [r.status_code for r in held] == [200, 200] and all(stream_ids(r)[1] for r in held)  # drained
+        assert ra.proc.wait(20) == -signal.SIGTERM  # uvicorn re-raises the signal after its graceful shutdown
+        assert "Traceback" not in ra.log.read_text()
+        rows = {r["id"]: r for r in cluster.records()}
+        for r in held:
+            assert rows[stream_ids(r)[0]]["status"] == "finished" and rows[stream_ids(r)[0]]["replica"] == "ra"
+        assert {rows[r.json()["id"]]["replica"] for r in new} == {"rb"}
+    finally:
+        ra.stop()
+        ra.launch()  # back for the next test (which needs it to sweep), also after a failure here
+
+
+def refuses(url: str) -> bool:
+    """Whether a new connection to ``url`` is refused (the server stopped listening)."""
+    try:
+        httpx.get(url + "/healthz", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        pass
+    return False
 
 
 def test_sigkill_leaves_incomplete_records_not_lost(cluster):

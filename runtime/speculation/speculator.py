@@ -121,6 +121,13 @@ class _Round:
     ngram_c1: list[float]
 
 
+
+def raises_rate(tokens: float, gain: float, t_now: float, t_next: float) -> bool:
+    """Whether one more verified row (expected ``gain`` accepted tokens, the round taking
+    ``t_next`` instead of ``t_now`` seconds) raises expected tokens per second above
+    ``tokens / t_now``: the greedy step of Alg. 1 (paper §4), used by every ℓ = 0 decision."""
+    return (tokens + gain) / t_next > tokens / t_now
+
 class Speculator:
     """Draft model + context cache + verification-budget policy.
 
@@ -240,8 +247,7 @@ class Speculator:
         B, ctx = batch + 1, float(seq.num_prompt)
         table = self._table(greedy, "greedy" if greedy else "sampled", B, ctx)
         v = min(1.0, self.a1_prior * self.learned.factor(("dspark-a1", greedy)))
-        t_round = table.round_seconds(B, ctx)
-        return (B + v) / (table.round_seconds(B + 1, ctx) + self.draft_seconds) > B / t_round
+        return raises_rate(B, v, table.round_seconds(B, ctx), table.round_seconds(B + 1, ctx) + self.draft_seconds)
 
     def has_context(self, slot: int) -> bool:
         """Whether ``slot``'s drafter context is kept (``False``: abandoned, :meth:`commit`)."""
@@ -369,13 +375,13 @@ class Speculator:
         for i, (toks, _) in enumerate(rnd.ngrams):  # free n-gram first rows the budget would take anyway
             if toks and i not in wanted:
                 v = weights[i] * rnd.ngram_c1[i]
-                if (W + v) * table.sps(B + 1, ctx) > W * table.sps(B, ctx):
+                if raises_rate(W, v, 1.0 / table.sps(B, ctx), 1.0 / table.sps(B + 1, ctx)):
                     W, B = W + v, B + 1
         t_round = 1.0 / table.sps(B, ctx)
         chosen = []
         for v, i in sorted(((weights[i] * self._dspark_a1(seqs[i]), i) for i in wanted), reverse=True):
             t_next = 1.0 / table.sps(B + 1, ctx) + (len(chosen) + 1) * self.draft_seconds
-            if not (W + v) / t_next > W / (t_round + len(chosen) * self.draft_seconds):
+            if not raises_rate(W, v, t_round + len(chosen) * self.draft_seconds, t_next):
                 break
             chosen.append(i)
             W, B, t_round = W + v, B + 1, 1.0 / table.sps(B + 1, ctx)

@@ -565,20 +565,22 @@ class Speculator:
         (at batch 16 the context costs ~2 % of a round). Decided from past rounds only."""
         if self.drafter is None or verify_taps is None:
             return
-        if all(s.slot in self._no_context for s in seqs):
+        kept = [(s, n) for s, n in zip(seqs, commit_counts) if n and s.slot not in self._no_context]
+        if not kept:
             return
+        if any(s.slot in self._no_context for s in seqs):  # gather only the rows of slots that keep a context
+            offsets = [0, *itertools.accumulate(commit_counts)]
+            commit_rows = commit_rows[[r for i, s in enumerate(seqs) if s.slot not in self._no_context
+                                       for r in range(offsets[i], offsets[i + 1])]]
         # Queued in the drafter's dtype: both drafters cast the taps to it first (exact, half the memory).
         taps = verify_taps[commit_rows].to(self.drafter.dtype)
         start, full = 0, []
-        for s, n in zip(seqs, commit_counts):
-            if n and s.slot in self._no_context:
-                start += n
-            elif n:
-                self._pending.setdefault(s.slot, []).append(taps[start : start + n])
-                start += n
-                self._queued[s.slot] = q = self._queued.get(s.slot, 0) + n
-                if q >= LAZY_COMMIT_MAX:
-                    full.append(s.slot)
+        for s, n in kept:
+            self._pending.setdefault(s.slot, []).append(taps[start : start + n])
+            start += n
+            self._queued[s.slot] = q = self._queued.get(s.slot, 0) + n
+            if q >= LAZY_COMMIT_MAX:
+                full.append(s.slot)
         if full and self.context_optional:
             for slot in full:
                 self._abandon(slot)

@@ -87,18 +87,35 @@ class LlamaConfig:
         )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias), with one-row inputs on the CPU as ``torch.mv``.
+#: fp32 inputs of 2..SMALL_M_MAX rows go through ``W·Xᵀ`` (:func:`linear`)
+SMALL_M_MAX = 32
 
-    A batch-1 decode step is 121 matrix-vector products. On the CPU, ``F.linear`` with a
-    single row takes a slower route to the same GEMV than ``torch.mv`` does (measured
-    2–4× per matrix in bf16 on an AMX Xeon, bench/forward_profile.py); the results are
-    bitwise identical there (tests/runtime/models/test_llama.py), so this only removes time. (On CPUs
-    without AMX, e.g. an AMD EPYC with AVX512-BF16, a rare bf16 output differs in its
-    last bits: the two kernels sum in different orders.)
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias): ``[M, in] × [out, in] → [M, out]``, in ``x.dtype``.
+
+    Two CPU routes that only remove time:
+
+    * One row as ``torch.mv``. A batch-1 decode step is 121 matrix-vector products, and
+      ``F.linear`` with a single row takes a slower route to the same GEMV (measured 2–4× per
+      matrix in bf16 on an AMX Xeon, bench/forward_profile.py); the results are bitwise
+      identical there (tests/runtime/models/test_llama.py). (On CPUs without AMX, e.g. an
+      AMD EPYC with AVX512-BF16, a rare bf16 output differs in its last bits: the two
+      kernels sum in different orders.)
+    * fp32 with 2..:data:`SMALL_M_MAX` rows (batched decode steps, verification rows) as
+      ``(W·Xᵀ)ᵀ``: the same GEMM with the weight as the left operand. On an AVX2-only AMD
+      EPYC (2 threads, where ``dtype=auto`` serves fp32) ``F.linear`` with 2 rows took 1.8×
+      the one-row step, as if every row read the weights again; through ``W·Xᵀ`` a whole
+      decode step is 1.44× / 1.53× / 1.33× / 1.32× faster at batch 2 / 4 / 16 / 32
+      (docs/benchmarks.md "fp32 small-batch GEMM"). The sums run in another order: outputs
+      agree with ``F.linear`` to fp32 rounding, not bitwise. Returns a transposed
+      (non-contiguous) view.
     """
-    if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
-        return torch.mv(weight, x[0]).unsqueeze(0)
+    if x.dim() == 2 and x.device.type == "cpu":
+        if x.shape[0] == 1:
+            return torch.mv(weight, x[0]).unsqueeze(0)
+        if x.dtype == torch.float32 and x.shape[0] <= SMALL_M_MAX:
+            return torch.mm(weight, x.t()).t()
     return F.linear(x, weight)
 
 

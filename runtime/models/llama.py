@@ -108,14 +108,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
       the one-row step, as if every row read the weights again; through ``W·Xᵀ`` a whole
       decode step is 1.44× / 1.53× / 1.33× / 1.32× faster at batch 2 / 4 / 16 / 32
       (docs/benchmarks.md "fp32 small-batch GEMM"). The sums run in another order: outputs
-      agree with ``F.linear`` to fp32 rounding, not bitwise. Returns a transposed
-      (non-contiguous) view.
+      agree with ``F.linear`` to fp32 rounding, not bitwise. The result is made contiguous:
+      a transposed view both slowed the ops after it and broke the grammar mask, which
+      writes the logits' memory in row order (tests/runtime/speculation/test_spec_gateway.py).
     """
     if x.dim() == 2 and x.device.type == "cpu":
         if x.shape[0] == 1:
             return torch.mv(weight, x[0]).unsqueeze(0)
         if x.dtype == torch.float32 and x.shape[0] <= SMALL_M_MAX:
-            return torch.mm(weight, x.t()).t()
+            return torch.mm(weight, x.t()).t().contiguous()
     return F.linear(x, weight)
 
 

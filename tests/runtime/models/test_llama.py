@@ -123,6 +123,7 @@ def test_one_row_linear_is_bitwise_f_linear(dtype):
             x = torch.randn(rows, in_f, generator=g).to(dtype)
             if dtype == torch.float32 and 1 < rows <= SMALL_M_MAX:  # W·Xᵀ: fp32 rounding, against fp64
                 exact = F.linear(x.double(), w.double())
+                assert linear(x, w).is_contiguous()  # the grammar mask writes logits in row order
                 err = (linear(x, w).double() - exact).abs().max().item()
                 assert err <= 1e-5 * exact.abs().max().item(), (rows, out_f, err)
             else:

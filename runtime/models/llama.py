@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
       ``(W·Xᵀ)ᵀ``: the same GEMM with the weight as the left operand. On an AVX2-only AMD
       EPYC (2 threads, where ``dtype=auto`` serves fp32) ``F.linear`` with 2 rows took 1.8×
       the one-row step, as if every row read the weights again; through ``W·Xᵀ`` a whole
-      decode step is 1.44× / 1.53× / 1.33× / 1.32× faster at batch 2 / 4 / 16 / 32
+      decode step is 2.0× / 1.9× / 1.4× / 1.2× faster at batch 2 / 4 / 16 / 32
       (docs/benchmarks.md "fp32 small-batch GEMM"). The sums run in another order: outputs
       agree with ``F.linear`` to fp32 rounding, not bitwise. The result is made contiguous:
       a transposed view both slowed the ops after it and broke the grammar mask, which

@@ -36,6 +36,7 @@ from tests.conftest import require_or_skip
 from tests.runtime.sglang.test_gateway import write_tokenizer
 from tests.support.gateway_fixtures import MODEL
 from tests.support.polling import wait_until
+from tests.support.servers import refuses_connections
 from tests.support.scaleout import Balancer, Replica, fetch_records, replica_env
 from tests.support.sglang_standin import StandinServer
 from tests.support.tenancy_fixtures import new_pg_database
@@ -232,7 +233,7 @@ def test_sigterm_drains_one_replica_while_the_other_serves(cluster):
         ra.proc.send_signal(signal.SIGTERM)
         # uvicorn notices the signal within its 0.1 s tick and then stops listening: until then ra
         # still takes new requests (and would drain them too), so the new ones are sent after that
-        wait_until(lambda: refuses(ra.url), "ra to stop listening", timeout_s=10)
+        wait_until(lambda: refuses_connections(ra.url), "ra to stop listening", timeout_s=10)
         new = [httpx.post(cluster.lb + "/v1/chat/completions", json=chat(stream=False), headers=h, timeout=30)
                for _ in range(4)]
         assert [r.status_code for r in new] == [200] * 4  # the balancer sends them to rb
@@ -249,16 +250,6 @@ def test_sigterm_drains_one_replica_while_the_other_serves(cluster):
         ra.stop()
         ra.launch()  # back for the next test (which needs it to sweep), also after a failure here
 
-
-def refuses(url: str) -> bool:
-    """Whether a new connection to ``url`` is refused (the server stopped listening)."""
-    try:
-        httpx.get(url + "/healthz", timeout=2)
-    except httpx.ConnectError:
-        return True
-    except httpx.HTTPError:
-        pass
-    return False
 
 
 def test_sigkill_leaves_incomplete_records_not_lost(cluster):

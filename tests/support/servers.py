@@ -40,3 +40,14 @@ def wait_for_http(url: str, proc: subprocess.Popen, log: Path, what: str, timeou
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not ready in {timeout_s:.0f} s: {log.read_text()[-4000:]}")
         time.sleep(interval_s)
+
+
+def refuses_connections(base: str) -> bool:
+    """True once a new connection is refused (a connection cut while the server closes: not yet)."""
+    try:
+        httpx.get(base + "/healthz", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.TransportError:
+        pass
+    return False

@@ -23,7 +23,7 @@ from gateway.crud.keys import issue_key
 from tests.conftest import ROOT
 from tests.support.gateway_fixtures import sqlite_url
 from tests.support.polling import wait_until
-from tests.support.servers import free_port
+from tests.support.servers import free_port, refuses_connections
 
 SERVE = """
 import sys
@@ -68,17 +68,6 @@ def stream(base, key, max_tokens, out: dict, name: str):
                     lines.append(line)
     except httpx.HTTPError as exc:
         out[name + ":error"] = repr(exc)
-
-
-def refuses_connections(base: str) -> bool:
-    """True once a new connection is refused (a connection cut while the server closes: not yet)."""
-    try:
-        httpx.get(base + "/healthz", timeout=2)
-    except httpx.ConnectError:
-        return True
-    except httpx.TransportError:
-        pass
-    return False
 
 
 def rows(db) -> list[tuple]:

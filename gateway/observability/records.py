@@ -204,14 +204,13 @@ class RecordWriter:
     def request_ended(self, outcome: RequestOutcome) -> None:
         """Enqueue the outcome's row and return (never blocks, never raises). Dropped at a
         full buffer only if the request's ``running`` row was not kept either."""
+        opened = outcome.ctx.request_id in self._open
+        self._open.discard(outcome.ctx.request_id)
         start = self._starts.pop(outcome.ctx.request_id, None)
         if start is not None:  # its running row is still buffered (not being written): replace it in place
-            self._open.discard(outcome.ctx.request_id)
             start.clear()
             start.update(record_row(outcome), replica=self.replica_id)
             return
-        opened = outcome.ctx.request_id in self._open
-        self._open.discard(outcome.ctx.request_id)
         if len(self._buffer) >= self.max_buffer and not opened:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:

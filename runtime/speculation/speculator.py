@@ -121,12 +121,19 @@ class _Round:
     ngram_c1: list[float]
 
 
-
 def raises_rate(tokens: float, gain: float, t_now: float, t_next: float) -> bool:
     """Whether one more verified row (expected ``gain`` accepted tokens, the round taking
     ``t_next`` instead of ``t_now`` seconds) raises expected tokens per second above
     ``tokens / t_now``: the greedy step of Alg. 1 (paper §4), used by every ℓ = 0 decision."""
     return (tokens + gain) / t_next > tokens / t_now
+
+
+def rows_of(counts: Sequence[int], keep: Sequence[int]) -> list[int]:
+    """Row indices of the groups ``keep`` (ascending) in rows laid out group after group,
+    ``counts[i]`` rows for group i."""
+    offsets = [0, *itertools.accumulate(counts)]
+    return [r for i in keep for r in range(offsets[i], offsets[i + 1])]
+
 
 class Speculator:
     """Draft model + context cache + verification-budget policy.
@@ -300,9 +307,7 @@ class Speculator:
         drafter context was abandoned are skipped)."""
         if self._no_context and taps is not None and any(s in self._no_context for s in slots):
             keep = [i for i, s in enumerate(slots) if s not in self._no_context]
-            starts = [0, *itertools.accumulate(counts)]
-            rows = [r for i in keep for r in range(starts[i], starts[i] + counts[i])]
-            taps = taps[torch.tensor(rows, dtype=torch.long)]
+            taps = taps[torch.tensor(rows_of(counts, keep), dtype=torch.long)]
             slots, counts = [slots[i] for i in keep], [counts[i] for i in keep]
         if self.drafter is not None and taps is not None and sum(counts) > 0:
             (self.fast or self.drafter).extend_context(self.dcache, taps, slots, counts)
@@ -569,9 +574,8 @@ class Speculator:
         if not kept:
             return
         if any(s.slot in self._no_context for s in seqs):  # gather only the rows of slots that keep a context
-            offsets = [0, *itertools.accumulate(commit_counts)]
-            commit_rows = commit_rows[[r for i, s in enumerate(seqs) if s.slot not in self._no_context
-                                       for r in range(offsets[i], offsets[i + 1])]]
+            commit_rows = commit_rows[rows_of(commit_counts, [i for i, s in enumerate(seqs)
+                                                              if s.slot not in self._no_context])]
         # Queued in the drafter's dtype: both drafters cast the taps to it first (exact, half the memory).
         taps = verify_taps[commit_rows].to(self.drafter.dtype)
         start, full = 0, []

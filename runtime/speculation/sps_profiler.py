@@ -111,6 +111,8 @@ _HOT_PATH = (
     "runtime/speculation/drafter.py",
     "runtime/speculation/fast_drafter.py",
     "runtime/kernels/cpu/fused_layer.cpp",
+    "runtime/kernels/cpu/gguf_cpu.cpp",
+    "runtime/kernels/cpu/work_pool.h",
     "runtime/speculation/markov_head.py",
     "runtime/speculation/confidence_head.py",
     "runtime/speculation/verifier.py",

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -176,6 +177,30 @@ void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* 
   }
 }
 
+// Row chunking: the rows of a call go through a tile in as few passes of at most 8 rows as
+// possible, the passes balanced (9 rows: 5 + 4). row_chunk runs fn(std::integral_constant<int,
+// R>) for the next pass and returns R. Each pass unpacks the tile again, and a 1-row pass is
+// bound by that unpacking: with the former chunks of 8 / 4 / 3 / 2 / 1, a 1 + 4-row
+// verification forward ran 4 + 1 rows and cost 1.70 decode steps; in one pass of 5, 1.48
+// (medians of 6 interleaved process pairs, EPYC with AVX512-BF16, 2 threads, context 256;
+// docs/benchmarks.md "One pass per 8 rows"). Every R keeps the per-row summation order, so the
+// chunking does not change a bit of the output.
+constexpr int64_t MAX_ROWS_PER_PASS = 8;
+template <typename Fn>
+inline int64_t row_chunk(int64_t left, Fn&& fn) {
+  const int64_t passes = (left + MAX_ROWS_PER_PASS - 1) / MAX_ROWS_PER_PASS;
+  switch ((left + passes - 1) / passes) {
+    case 8: fn(std::integral_constant<int, 8>{}); return 8;
+    case 7: fn(std::integral_constant<int, 7>{}); return 7;
+    case 6: fn(std::integral_constant<int, 6>{}); return 6;
+    case 5: fn(std::integral_constant<int, 5>{}); return 5;
+    case 4: fn(std::integral_constant<int, 4>{}); return 4;
+    case 3: fn(std::integral_constant<int, 3>{}); return 3;
+    case 2: fn(std::integral_constant<int, 2>{}); return 2;
+    default: fn(std::integral_constant<int, 1>{}); return 1;
+  }
+}
+
 // ---- AMX path ---------------------------------------------------------------------------
 // The VDPBF16PS path pays one instruction per row per 32 weights. With AMX one TDPBF16PS
 // multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k): the tile's
@@ -265,20 +290,15 @@ void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, floa
                              y_bf16 != nullptr ? y_bf16 + i * N : nullptr, std::min<int64_t>(16, M - i), N, K, t0, t1);
     return;
   }
-  // Tile by tile (its bytes stay in L1 between row chunks): rows in chunks of 8 / 4, the
-  // last 1-3 rows together.
+  // Tile by tile (its bytes stay in L1 between row chunks): rows in chunks of 8, the last
+  // 1-7 rows in one pass (row_chunk).
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t i = 0; i < M;) {
       const uint16_t* xi = x + i * K;
       const float* xs = xsum != nullptr ? xsum + i * G : nullptr;
       float* yf = y_f32 != nullptr ? y_f32 + i * N : nullptr;
       at::BFloat16* yb = y_bf16 != nullptr ? y_bf16 + i * N : nullptr;
-      const int64_t left = M - i;
-      if (left >= 8) { tile_kernel<QTYPE, 8>(xi, xs, w, yf, yb, N, K, t); i += 8; }
-      else if (left >= 4) { tile_kernel<QTYPE, 4>(xi, xs, w, yf, yb, N, K, t); i += 4; }
-      else if (left == 3) { tile_kernel<QTYPE, 3>(xi, xs, w, yf, yb, N, K, t); i += 3; }
-      else if (left == 2) { tile_kernel<QTYPE, 2>(xi, xs, w, yf, yb, N, K, t); i += 2; }
-      else { tile_kernel<QTYPE, 1>(xi, xs, w, yf, yb, N, K, t); i += 1; }
+      i += row_chunk(M - i, [&](auto r) { tile_kernel<QTYPE, decltype(r)::value>(xi, xs, w, yf, yb, N, K, t); });
     }
 }
 
@@ -302,6 +322,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint8_t* wp = tiles.data_ptr<uint8_t>();
+  float* yf = out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* yb = out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t T = N / TN;
+  auto& pool = sparkgate::WorkPool::instance();
+  const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
   // Per-group sums of the bf16 activations (fp32), for Q4_1's offset term m * sum_j x_j.
   std::vector<float> xsum;
   if (qtype == QTYPE_Q4_1) {
@@ -314,12 +340,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
     }
   }
   const float* xs = qtype == QTYPE_Q4_1 ? xsum.data() : nullptr;
-  const uint8_t* wp = tiles.data_ptr<uint8_t>();
-  float* yf = out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
-  at::BFloat16* yb = out_dtype == at::kBFloat16 ? y.data_ptr<at::BFloat16>() : nullptr;
-  const int64_t T = N / TN;
-  auto& pool = sparkgate::WorkPool::instance();
-  const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
   const bool amx = amx_on() && amx_usable();
   pool.run((T + per - 1) / per, [&](int64_t c) {
     const int64_t t0 = c * per, t1 = std::min(T, t0 + per);

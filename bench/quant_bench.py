@@ -15,7 +15,8 @@ greedy continuations equal fp32's token for token, and where they first differ.
 
 Prints JSON. Variants: ``int8`` (what ``dtype="int8"`` serves: int8 decoder projections
 and LM head), ``int8_fp32_head`` (int8 projections, fp32 LM head), ``bfloat16`` and
-``gguf`` (the GGUF's own Q4_1/Q8_0 blocks, ``runtime.models.gguf_weights``). ms per decode step:
+``gguf`` (the GGUF's own Q4_1/Q8_0 blocks, ``runtime.models.gguf_weights``), ``gguf-a8`` (the same with
+int8 activations in the Q4_1 projections). ms per decode step:
 context 64, one new token per sequence and its logits, median over repeats with the
 variants interleaved (the machine is shared); with ``--threads 1`` the ``cpu`` clock (thread
 CPU time) is the one to compare on a loaded machine.
@@ -40,6 +41,7 @@ VARIANTS = {
     "int8_fp32_head": lambda mdir: quantize_llama_(load_llama(mdir, torch.float32), lm_head=False),
     "bfloat16": lambda mdir: load_llama(mdir, torch.bfloat16),
     "gguf": lambda mdir: load_llama(mdir, "gguf"),
+    "gguf-a8": lambda mdir: load_llama(mdir, "gguf-a8"),
 }
 
 

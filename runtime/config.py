@@ -33,10 +33,13 @@ class EngineConfig:
         dtype: serving dtype of the target model: ``"auto"`` (default,
             :func:`resolve_dtype`), ``"gguf"`` (the shipped GGUF's own Q4_1/Q8_0 blocks
             with exact weights over bf16 activations, ``runtime.models.gguf_weights``;
-            needs AVX512-BF16), ``"bfloat16"``, ``"float32"`` (the GGUF dequantised
-            exactly; bit-stable tests) or ``"int8"`` (opt-in weight-only int8 linears
-            over fp32 activations, ``runtime.models.quant``: it changes the target —
-            top-1 agreement vs fp32 in ``docs/benchmarks.md``).
+            needs AVX512-BF16), ``"gguf-a8"`` (opt-in: the same with the Q4_1 projections'
+            activations quantised to int8 per row and 32-group, W4A8 on VNNI: cheaper
+            verified rows and batches, and it changes the target — agreement and speed in
+            ``docs/benchmarks.md``, "int8 activations"), ``"bfloat16"``, ``"float32"`` (the
+            GGUF dequantised exactly; bit-stable tests) or ``"int8"`` (opt-in weight-only
+            int8 linears over fp32 activations, ``runtime.models.quant``: it changes the
+            target — top-1 agreement vs fp32 in ``docs/benchmarks.md``).
         max_batch_size: max concurrently running sequences (= KV-cache slots).
         max_context: tokens per sequence (prompt + completion); KV slots are this long.
             Default: the served model's full context (SmolLM2: 8,192). Slots commit memory
@@ -105,7 +108,9 @@ class EngineConfig:
 
 
 #: /proc/cpuinfo flags the kernel needs, and those of the AMX tile unit it uses where present.
-KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"})
+#: (Every CPU with AVX512-BF16 — Cooper Lake, Sapphire Rapids, Zen 4 — also has AVX512-VNNI,
+#: which the int8-activation kernel of ``dtype="gguf-a8"`` uses.)
+KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c"})
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
 
@@ -123,7 +128,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 
 
 def cpu_supports_kernel(cpuinfo: str | None = None) -> bool:
-    """True on x86 CPUs with AVX512F/BW/VL, AVX512-BF16 and F16C (the kernel's ISA)."""
+    """True on x86 CPUs with AVX512F/BW/VL, AVX512-BF16, AVX512-VNNI and F16C (the kernel's ISA)."""
     return KERNEL_FLAGS <= cpu_flags(cpuinfo)
 
 

@@ -130,7 +130,7 @@ class Settings(_Derived):
     backend: Literal["embedded", "sglang", "openai"] = "embedded"
     # Derived fields the gateway narrows: the dtypes the engine accepts, start-up profiling on
     # when serving, no negative cache, URLs as a comma-separated list.
-    dtype: Literal["auto", "gguf", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
+    dtype: Literal["auto", "gguf", "gguf-a8", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)
     sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SGLangConfig.urls))

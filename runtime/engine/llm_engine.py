@@ -72,7 +72,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "int8": torch.int8,  # opt-in weight-only int8 linears over fp32 activations (runtime.models.quant)
-          "gguf": "gguf"}  # the GGUF's own Q4_1/Q8_0 blocks over bf16 activations (runtime.models.gguf_weights)
+          "gguf": "gguf",  # the GGUF's own Q4_1/Q8_0 blocks over bf16 activations (runtime.models.gguf_weights)
+          "gguf-a8": "gguf-a8"}  # opt-in: the same with int8 activations in the Q4_1 projections (W4A8)
 
 EmitFn = Callable[[str, Event], None]
 

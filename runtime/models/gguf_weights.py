@@ -63,6 +63,8 @@ def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 class GgufLinear(nn.Module):
     """Bias-free linear layer over GGML blocks (``y = x @ W.T``).
 
+    ``qtype``: the kernel variant (:data:`~runtime.kernels.cpu.gguf_cpu.Q4_1`, ``Q8_0``, or
+    ``Q4_1_A8``: Q4_1 blocks over int8 activations).
     Buffers: ``tiles`` uint8 ``[out/16, in/32, tile bytes]``: the GGUF rows (``blocks``,
     uint8 ``[out, in/32 · block bytes]`` as stored) in the kernel's layout
     (:func:`runtime.kernels.cpu.gguf_cpu.repack`; same bytes, other order).
@@ -77,9 +79,10 @@ class GgufLinear(nn.Module):
     def __init__(self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
                  dense: torch.Tensor, out_dtype: torch.dtype | None = None, max_rows: int | None = None) -> None:
         super().__init__()
-        if blocks.shape != (out_features, in_features // gguf_cpu.QK * gguf_cpu.BLOCK_BYTES[qtype]):
-            raise ValueError(f"blocks {tuple(blocks.shape)} do not hold a [{out_features}, {in_features}] GGML type {qtype}")
-        self.register_buffer("tiles", gguf_cpu.repack(blocks, qtype, out_features, in_features))
+        stored = gguf_cpu.STORED[qtype]
+        if blocks.shape != (out_features, in_features // gguf_cpu.QK * gguf_cpu.BLOCK_BYTES[stored]):
+            raise ValueError(f"blocks {tuple(blocks.shape)} do not hold a [{out_features}, {in_features}] GGML type {stored}")
+        self.register_buffer("tiles", gguf_cpu.repack(blocks, stored, out_features, in_features))
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
         self.__dict__["dense"] = dense
         self.out_dtype = out_dtype
@@ -96,7 +99,7 @@ class GgufLinear(nn.Module):
 
     def blocks(self) -> torch.Tensor:
         """The GGML rows as the GGUF stores them (:func:`runtime.kernels.cpu.gguf_cpu.unpack`)."""
-        return gguf_cpu.unpack(self.tiles, self.qtype, self.out_features, self.in_features)
+        return gguf_cpu.unpack(self.tiles, gguf_cpu.STORED[self.qtype], self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml_type={self.qtype}"
@@ -135,18 +138,25 @@ class QuantEmbedding(nn.Module):
         return gguf_cpu.dequantize(self.blocks[ids], self.qtype, ids.numel(), self.dim)
 
 
-def attach_gguf_(model, path: str | Path):
+def attach_gguf_(model, path: str | Path, int8_activations: bool = False):
     """Give a bf16 ``LlamaModel`` the GGUF's own weights, in place: Q4_1 projections, the
     Q8_0 LM head and embedding rows, and the F32 norm weights (exact, fp32; each layer's
     ``act_dtype`` stays bf16 for the matmul inputs and the KV cache). Where the kernel
     runs, every forward goes through the fused C++ layers (:func:`fused_forward_`). The fused projections concatenate rows as the model does
-    (q, k, v and gate, up). Returns ``model``.
+    (q, k, v and gate, up). ``int8_activations``: the Q4_1 projections multiply activations
+    quantised to int8 per row and group of 32 (``dtype="gguf-a8"``, W4A8 as llama.cpp's Q8
+    activations: changes the target, docs/benchmarks.md "int8 activations"); the LM head
+    stays Q8_0 over bf16. Returns ``model``.
 
     Raises:
-        ValueError: the model is not bf16, or a tensor is missing or of another type.
+        ValueError: the model is not bf16, a tensor is missing or of another type, or
+            ``int8_activations`` where the kernel does not run (no dense fallback for it).
     """
     if model.dtype != torch.bfloat16:
         raise ValueError(f"the gguf dtype runs over a bf16 model; got {model.dtype}")
+    if int8_activations and not gguf_cpu.kernel_available():
+        raise ValueError("dtype 'gguf-a8' (int8 activations) needs the GGUF CPU kernel: an x86 CPU with "
+                         "AVX512-BF16 and AVX512-VNNI and a C++ toolchain; use dtype 'auto' or 'gguf'")
     cfg = model.cfg
     blocks = read_blocks(path)
 
@@ -161,7 +171,7 @@ def attach_gguf_(model, path: str | Path):
             raise ValueError(f"{path}: expected {name} of type F32")
         return nn.Parameter(blocks[name][1].clone(), requires_grad=False)
 
-    q41 = gguf_cpu.Q4_1
+    q41, kernel = gguf_cpu.Q4_1, gguf_cpu.Q4_1_A8 if int8_activations else gguf_cpu.Q4_1
     for i, layer in enumerate(model.layers):
         p, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
         layer.act_dtype = torch.bfloat16
@@ -169,19 +179,20 @@ def attach_gguf_(model, path: str | Path):
         layer.post_attention_layernorm.weight = norm(p + "ffn_norm.weight")
         qkv = torch.cat([get(p + "attn_q.weight", q41, cfg.num_heads), get(p + "attn_k.weight", q41, cfg.num_kv_heads),
                          get(p + "attn_v.weight", q41)])
-        attn.qkv_proj = GgufLinear(qkv, q41, *attn.qkv_proj.weight.shape, dense=attn.qkv_proj.weight)
-        attn.o_proj = GgufLinear(get(p + "attn_output.weight", q41), q41, *attn.o_proj.weight.shape,
+        attn.qkv_proj = GgufLinear(qkv, kernel, *attn.qkv_proj.weight.shape, dense=attn.qkv_proj.weight)
+        attn.o_proj = GgufLinear(get(p + "attn_output.weight", q41), kernel, *attn.o_proj.weight.shape,
                                  dense=attn.o_proj.weight)
         gate_up = torch.cat([get(p + "ffn_gate.weight", q41), get(p + "ffn_up.weight", q41)])
-        mlp.gate_up_proj = GgufLinear(gate_up, q41, *mlp.gate_up_proj.weight.shape, dense=mlp.gate_up_proj.weight)
-        mlp.down_proj = GgufLinear(get(p + "ffn_down.weight", q41), q41, *mlp.down_proj.weight.shape,
+        mlp.gate_up_proj = GgufLinear(gate_up, kernel, *mlp.gate_up_proj.weight.shape, dense=mlp.gate_up_proj.weight)
+        mlp.down_proj = GgufLinear(get(p + "ffn_down.weight", q41), kernel, *mlp.down_proj.weight.shape,
                                    dense=mlp.down_proj.weight)
     model.norm.weight = norm("output_norm.weight")
     head = "output.weight" if "output.weight" in blocks else "token_embd.weight"  # tied: the embedding
     model.lm_head_quant = GgufLinear(get(head, gguf_cpu.Q8_0), gguf_cpu.Q8_0, *model.lm_head_weight.shape,
                                      dense=model.lm_head_weight, out_dtype=torch.float32)
     model.embed_quant = QuantEmbedding(get("token_embd.weight", gguf_cpu.Q8_0), gguf_cpu.Q8_0, cfg.hidden_size)
-    model.weights_format = "gguf"
+    model.weights_format = "gguf"  # the fused paths (fast drafter, kernels) key on it
+    model.activations_int8 = int8_activations
     if gguf_cpu.kernel_available():
         model.fused_forward = fused_forward_
     return model

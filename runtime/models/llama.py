@@ -394,6 +394,7 @@ class LlamaModel(nn.Module):
         # What the weights are, when the parameter dtype does not say it: "int8"
         # (runtime.models.quant) or "gguf" (runtime.models.gguf_weights); None → the dtype.
         self.weights_format: str | None = None
+        self.activations_int8 = False  # gguf-a8: Q4_1 projections over int8 activations
         # dtype gguf (runtime.models.gguf_weights): exact fp32 embedding rows, and the fused
         # C++ decoder layers, used for every forward (row-invariant arithmetic).
         self.embed_quant: nn.Module | None = None
@@ -408,7 +409,9 @@ class LlamaModel(nn.Module):
 
     @property
     def serving_dtype(self) -> str:
-        """The engine's dtype name for this model: ``"gguf"``, ``"int8"``, ``"bfloat16"``, …"""
+        """The engine's dtype name for this model: ``"gguf"``, ``"gguf-a8"``, ``"int8"``, ``"bfloat16"``, …"""
+        if self.activations_int8:
+            return "gguf-a8"
         return self.weights_format or str(self.dtype).replace("torch.", "")
 
     def new_cache(self, num_slots: int, max_len: int, device: str | torch.device = "cpu") -> KVCache:
@@ -505,7 +508,7 @@ class LlamaModel(nn.Module):
 
 def load_target(model_dir: str | Path, dtype: str = "auto", threads: int = 0) -> LlamaModel:
     """Load the target by serving-dtype name, as the engine does: ``"auto"`` (resolved by
-    the CPU, :func:`runtime.config.resolve_dtype`), ``"gguf"``, ``"bfloat16"``, ``"float32"``
+    the CPU, :func:`runtime.config.resolve_dtype`), ``"gguf"``, ``"gguf-a8"``, ``"bfloat16"``, ``"float32"``
     or ``"int8"``. ``threads > 0`` also applies the engine's thread setup
     (:func:`runtime.models.gguf_weights.use_kernel_threads`) for benchmarks.
 
@@ -515,7 +518,8 @@ def load_target(model_dir: str | Path, dtype: str = "auto", threads: int = 0) ->
     from runtime.config import resolve_dtype
 
     name = resolve_dtype(dtype)
-    by_name = {"gguf": "gguf", "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+    by_name = {"gguf": "gguf", "gguf-a8": "gguf-a8", "bfloat16": torch.bfloat16, "float32": torch.float32,
+               "int8": torch.int8}
     if name not in by_name:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(by_name)} or 'auto'")
     model = load_llama(model_dir, by_name[name])
@@ -555,14 +559,15 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16)
     ``dtype=torch.int8``: weight-only int8 decoder projections and LM head over fp32
     activations (:func:`runtime.models.quant.quantize_llama_`; changes the outputs).
     ``dtype="gguf"``: a bf16 model whose projections and LM head multiply by the served
-    GGUF's own Q4_1 / Q8_0 blocks (:func:`runtime.models.gguf_weights.attach_gguf_`).
+    GGUF's own Q4_1 / Q8_0 blocks (:func:`runtime.models.gguf_weights.attach_gguf_`);
+    ``"gguf-a8"``: the same over int8 activations in the Q4_1 projections (changes the outputs).
     Takes ~0.2 s for the 135M model from the safetensors cache (int8: ~1 s more).
     """
-    if dtype == "gguf":
+    if dtype in ("gguf", "gguf-a8"):
         from runtime.models.gguf_weights import attach_gguf_
         from runtime.models.loader import find_gguf
 
-        return attach_gguf_(load_llama(model_dir, torch.bfloat16), find_gguf())
+        return attach_gguf_(load_llama(model_dir, torch.bfloat16), find_gguf(), int8_activations=dtype == "gguf-a8")
     if dtype == torch.int8:
         from runtime.models.quant import quantize_llama_
 

@@ -53,6 +53,7 @@ constexpr int64_t QK = 32;           // k per group (GGML block)
 constexpr int64_t TN = 16;           // output rows per tile (zmm lanes)
 constexpr int64_t QTYPE_Q4_1 = 3;    // GGML type ids (ggml.h)
 constexpr int64_t QTYPE_Q8_0 = 8;
+constexpr int64_t QTYPE_Q4_1_A8 = 1003;  // not a GGML id: Q4_1 tiles over int8 activations (below)
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 16
 #endif
@@ -201,6 +202,111 @@ inline int64_t row_chunk(int64_t left, Fn&& fn) {
   }
 }
 
+// ---- int8 activations (QTYPE_Q4_1_A8) ------------------------------------------------
+// W4A8, as llama.cpp multiplies Q4 weights by Q8 activations: each row's activations are
+// quantised per group of 32 k to int8 with one fp32 scale (sx = max|x| / 127, xq = x / sx
+// rounded to nearest even), and VPDPBUSD multiplies the unsigned 4-bit q by the signed xq,
+// 64 products per instruction where VDPBF16PS does 32 — a verified row or a batched request
+// costs about half as much. Per group
+//     sum_j w_j x^_j = (d * sx) * (sum_j q_j xq_j) + m * xs,   x^_j = sx * xq_j, xs = sx * sum_j xq_j,
+// so the weights stay exact and the result is the exact product with the quantised
+// activations x^ up to fp32 rounding. The integer sums are exact in any order; per group
+// the fp32 steps are acc = fma(float(isum), d * sx, acc), then acc = fma(m, xs, acc), in
+// group order for every M: row invariance holds as for the bf16 kernel.
+//
+// A chunk c of a Q4_1 tile holds, as 16 little-endian words (one per output row), the
+// nibbles of k = 4c (low of byte 0), 4c+1 (low of byte 1), 4c+2 (high of byte 0), 4c+3
+// (high of byte 1): widened to 32-bit lanes, (v & 0x0F0F) | ((v << 12) & 0x0F0F0000) puts
+// k = 4c..4c+3 in bytes 0..3 of each output's lane, VPDPBUSD's layout.
+template <int R, int GU>
+inline __attribute__((always_inline)) void groups_kernel_a8(const int8_t* xq, const float* sx, const float* xs,
+                                                            const uint8_t* tile, int64_t K, int64_t G, int64_t g0,
+                                                            __m512 (&acc)[R]) {
+  constexpr int64_t tb = tile_bytes(QTYPE_Q4_1);
+  const __m512i lo = _mm512_set1_epi32(0x0F0F), hi = _mm512_set1_epi32(0x0F0F0000);
+  __m512i sa[GU][R], sb[GU][R];  // even and odd chunks: two independent chains per group
+  for (int u = 0; u < GU; ++u)
+    for (int r = 0; r < R; ++r) sa[u][r] = sb[u][r] = _mm512_setzero_si512();
+  for (int u = 0; u < GU; ++u)
+    for (int64_t off = 0; off < tb; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(tile + (g0 + u + PREFETCH_TILES) * tb + off), _MM_HINT_T0);
+  for (int u = 0; u < GU; ++u) {
+    for (int c = 0; c < 8; c += 2) {
+      const uint8_t* q = tile + (g0 + u) * tb + 32 * c;
+      const __m512i va = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      const __m512i vb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+      const __m512i wa = _mm512_or_si512(_mm512_and_si512(va, lo), _mm512_and_si512(_mm512_slli_epi32(va, 12), hi));
+      const __m512i wb = _mm512_or_si512(_mm512_and_si512(vb, lo), _mm512_and_si512(_mm512_slli_epi32(vb, 12), hi));
+      const int8_t* xg = xq + (g0 + u) * QK + 4 * c;
+      for (int r = 0; r < R; ++r) {
+        int32_t xa, xb;
+        std::memcpy(&xa, xg + r * K, 4);
+        std::memcpy(&xb, xg + r * K + 4, 4);
+        sa[u][r] = _mm512_dpbusd_epi32(sa[u][r], wa, _mm512_set1_epi32(xa));
+        sb[u][r] = _mm512_dpbusd_epi32(sb[u][r], wb, _mm512_set1_epi32(xb));
+      }
+    }
+  }
+  for (int u = 0; u < GU; ++u) {  // in group order
+    const uint8_t* t = tile + (g0 + u) * tb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 288)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(sa[u][r], sb[u][r]));  // exact: |isum| <= 32*15*127
+      acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(sx[r * G + g0 + u])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g0 + u]), acc[r]);
+    }
+  }
+}
+
+template <int R>
+void tile_kernel_a8(const int8_t* xq, const float* sx, const float* xs, const uint8_t* w, float* y_f32,
+                    at::BFloat16* y_bf16, int64_t N, int64_t K, int64_t t) {
+  constexpr int GU = R == 1 ? 2 : 1;
+  const int64_t G = K / QK;
+  const uint8_t* tile = w + t * G * tile_bytes(QTYPE_Q4_1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + GU <= G; g += GU) groups_kernel_a8<R, GU>(xq, sx, xs, tile, K, G, g, acc);
+  for (; g < G; ++g) groups_kernel_a8<R, 1>(xq, sx, xs, tile, K, G, g, acc);
+  for (int r = 0; r < R; ++r) {
+    if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  }
+}
+
+void tiles_all_rows_a8(const int8_t* xq, const float* sx, const float* xs, const uint8_t* w, float* y_f32,
+                       at::BFloat16* y_bf16, int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t G = K / QK;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t i = 0; i < M;) {
+      const int8_t* xi = xq + i * K;
+      const float *si = sx + i * G, *ss = xs + i * G;
+      float* yf = y_f32 != nullptr ? y_f32 + i * N : nullptr;
+      at::BFloat16* yb = y_bf16 != nullptr ? y_bf16 + i * N : nullptr;
+      i += row_chunk(M - i, [&](auto r) { tile_kernel_a8<decltype(r)::value>(xi, si, ss, w, yf, yb, N, K, t); });
+    }
+}
+
+// bf16 [M, K] -> int8 xq [M, K], scales sx [M, G] and xs = sx * sum(xq) [M, G] (see above).
+void quantize_rows_a8(const uint16_t* x, int8_t* xq, float* sx, float* xs, int64_t M, int64_t K) {
+  const int64_t G = K / QK;
+  for (int64_t i = 0; i < M * G; ++i) {
+    const __m512i v = _mm512_loadu_si512(x + i * QK);
+    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // nearest even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * QK), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i * QK + 16), _mm512_cvtsepi32_epi8(qb));
+    sx[i] = s;
+    xs[i] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
 // ---- AMX path ---------------------------------------------------------------------------
 // The VDPBF16PS path pays one instruction per row per 32 weights. With AMX one TDPBF16PS
 // multiplies up to 16 rows of x by a whole unpacked tile (16 outputs x 32 k): the tile's
@@ -308,7 +414,10 @@ void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, floa
 // [M, N] in out_dtype (float32 or bfloat16).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qtype, int64_t N, int64_t K,
                        at::ScalarType out_dtype) {
-  TORCH_CHECK(qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0, "gguf_linear: qtype must be Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(qtype == QTYPE_Q4_1 || qtype == QTYPE_Q8_0 || qtype == QTYPE_Q4_1_A8,
+              "gguf_linear: qtype must be Q4_1 (3), Q8_0 (8) or Q4_1 over int8 activations (1003)");
+  const bool a8 = qtype == QTYPE_Q4_1_A8;
+  if (a8) qtype = QTYPE_Q4_1;  // the same tiles
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "gguf_linear: x must be [M, ", K, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gguf_linear: x must be bfloat16");
   TORCH_CHECK(K % QK == 0 && N % TN == 0, "gguf_linear: K must be a multiple of 32 and N of 16");
@@ -328,6 +437,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   const int64_t T = N / TN;
   auto& pool = sparkgate::WorkPool::instance();
   const int64_t per = std::max<int64_t>(2, T / (8 * pool.threads()));  // tiles per chunk
+  if (a8) {
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> sx(M * G), xs(M * G);
+    quantize_rows_a8(xp, xq.data(), sx.data(), xs.data(), M, K);
+    pool.run((T + per - 1) / per, [&](int64_t c) {
+      tiles_all_rows_a8(xq.data(), sx.data(), xs.data(), wp, yf, yb, M, N, K, c * per, std::min(T, c * per + per));
+    });
+    return y;
+  }
   // Per-group sums of the bf16 activations (fp32), for Q4_1's offset term m * sum_j x_j.
   std::vector<float> xsum;
   if (qtype == QTYPE_Q4_1) {

@@ -8,7 +8,7 @@ weights, 34 per 32 Q8_0 weights, ~98 MB per step — with the weights entering t
 arithmetic exactly (``runtime/kernels/cpu/gguf_cpu.cpp`` says how); only the activations
 are bf16, as in the bf16 model.
 
-The C++ kernel needs AVX512-BF16 (+ AVX512BW/VL, F16C). It is compiled on first use
+The C++ kernel needs AVX512-BF16 (+ AVX512BW/VL, AVX512-VNNI, F16C). It is compiled on first use
 with ``torch.utils.cpp_extension`` (~30–60 s, cached under
 ``$SPARKGATE_CACHE_DIR/torch_extensions`` keyed by the source) and registered as
 ``torch.ops.sparkgate.gguf_linear``. :func:`kernel_available` says whether this CPU
@@ -33,12 +33,17 @@ log = logging.getLogger(__name__)
 
 #: GGML type ids (ggml.h) and block geometry: (bytes per block, elements per block).
 Q4_1, Q8_0 = 3, 8
+#: Not a GGML type: :func:`gguf_linear` over :data:`Q4_1` tiles with the activations quantised
+#: to int8 per row and group of 32 (W4A8, serving dtype ``"gguf-a8"``; gguf_cpu.cpp says how).
+Q4_1_A8 = 1003
+#: the GGML type whose blocks / tiles each kernel variant reads
+STORED = {Q4_1: Q4_1, Q8_0: Q8_0, Q4_1_A8: Q4_1}
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 QK = 32
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h, work_pool.h
-_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma",
+_CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma",
            "-mamx-tile", "-mamx-bf16"]
 #: Whether gguf_linear multiplies on the AMX tile unit where the CPU has one. AMX rounds
 #: differently from the VDPBF16PS path, so it is used for every row count (1-row decode
@@ -143,7 +148,8 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, qtype: int, n: int, k: int
     Args:
         x: ``[M, k]`` activations (cast to bf16, the kernel's input type).
         tiles: uint8 ``[n/16, k/32, TILE_BYTES[qtype]]`` from :func:`repack`.
-        qtype: :data:`Q4_1` or :data:`Q8_0`.
+        qtype: :data:`Q4_1`, :data:`Q8_0`, or :data:`Q4_1_A8` (Q4_1 tiles; x quantised
+            to int8 per row and 32-group first: :func:`quantize_a8`).
         out_dtype: float32 or bfloat16.
 
     Returns:
@@ -154,7 +160,7 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, qtype: int, n: int, k: int
             shapes disagree.
     """
     if not _load_kernel():
-        raise RuntimeError("the GGUF CPU kernel needs an x86 CPU with AVX512-BF16 and a C++ toolchain")
+        raise RuntimeError("the GGUF CPU kernel needs an x86 CPU with AVX512-BF16/VNNI and a C++ toolchain")
     return torch.ops.sparkgate.gguf_linear(x.to(torch.bfloat16), tiles, qtype, n, k, out_dtype)
 
 
@@ -176,3 +182,21 @@ def reference_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, 
     """fp32 ``bf16(x) @ dequantize(blocks).T`` (GGML rows, not tiles) — what
     :func:`gguf_linear` computes, in a different summation order (tests compare the two)."""
     return x.to(torch.bfloat16).float() @ dequantize(blocks, qtype, n, k).T
+
+
+def quantize_a8(x: torch.Tensor) -> torch.Tensor:
+    """The activations :data:`Q4_1_A8` multiplies: fp32 ``x̂ = sx · xq`` of ``bf16(x) [M, k]``,
+    per row and group of 32: ``sx = max|x| / 127``, ``xq = round_half_even(x · (127 / max|x|))``
+    in fp32, as the kernel does (gguf_cpu.cpp, "int8 activations")."""
+    xf = x.to(torch.bfloat16).float()
+    g = xf.reshape(*xf.shape[:-1], -1, QK)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(g * inv).clamp(-128, 127)
+    return (xq * (amax / 127.0)).reshape(xf.shape)
+
+
+def reference_linear_a8(x: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """fp64 ``quantize_a8(x) @ dequantize(Q4_1 blocks).T``: what :data:`Q4_1_A8` computes, up to
+    its fp32 rounding (tests)."""
+    return quantize_a8(x).double() @ dequantize(blocks, Q4_1, n, k).double().T

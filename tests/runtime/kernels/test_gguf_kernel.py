@@ -73,6 +73,38 @@ def test_kernel_equals_exact_reference(qtype, n, k, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 17])
+def test_int8_activation_kernel_equals_the_quantised_reference(n, k, rows):
+    """``Q4_1_A8`` (``dtype="gguf-a8"``): the exact Q4_1 weights times the activations as
+    :func:`~runtime.kernels.cpu.gguf_cpu.quantize_a8` quantises them (per row and 32-group,
+    nearest even), up to fp32 rounding — and really quantised: it differs from the bf16 path
+    by far more than rounding."""
+    blocks = random_blocks(Q4_1, n, k, seed=rows + 7)
+    tiles = gguf_cpu.repack(blocks, Q4_1, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0.0  # an all-zero group (scale 0)
+    y = gguf_cpu.gguf_linear(x, tiles, gguf_cpu.Q4_1_A8, n, k, torch.float32)
+    ref = gguf_cpu.reference_linear_a8(x, blocks, n, k)
+    scale = ref.abs().max()
+    assert (y.double() - ref).abs().max() <= 4e-6 * scale  # measured ≤ 3e-7 relative
+    exact_x = reference_linear(x, blocks, Q4_1, n, k)
+    assert (y - exact_x).abs().max() > 1e-4 * scale  # int8 activations: ~0.5 % relative error
+    assert ((y - exact_x).norm() / exact_x.norm()) < 0.02
+
+
+def test_gguf_a8_without_the_kernel_is_a_clear_error(monkeypatch, model_dir):
+    """No dense fallback for int8 activations: where the kernel does not run, loading
+    ``gguf-a8`` fails naming the dtype and what it needs."""
+    from runtime.models.gguf_weights import attach_gguf_
+    from runtime.models.llama import load_llama
+
+    monkeypatch.setattr(gguf_cpu, "kernel_available", lambda: False)
+    with pytest.raises(ValueError, match="'gguf-a8'.*AVX512-BF16 and AVX512-VNNI"):
+        attach_gguf_(load_llama(model_dir, torch.bfloat16), "never-read.gguf", int8_activations=True)
+
+
+@needs_kernel
 def test_kernel_rejects_mismatched_shapes():
     tiles = gguf_cpu.repack(random_blocks(Q4_1, 16, 64), Q4_1, 16, 64)
     with pytest.raises(RuntimeError, match="x must be"):

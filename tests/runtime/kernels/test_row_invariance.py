@@ -19,14 +19,15 @@ import torch
 
 from runtime.config import AMX_FLAGS
 from runtime.kernels.cpu import gguf_cpu
-from runtime.kernels.cpu.gguf_cpu import Q4_1, Q8_0, dequantize
+from runtime.kernels.cpu.gguf_cpu import Q4_1, Q4_1_A8, Q8_0, STORED, dequantize
 from runtime.models.gguf_weights import GgufLinear
 from tests.runtime.kernels.test_gguf_kernel import random_blocks
 from tests.support.hygiene import require_cpu_kernel
 
 #: The target's projection shapes (SmolLM2-135M: d 576, 9 + 2·3 heads of 64, MLP 1536) and a
 #: slice of its Q8_0 LM head (the drafter's heads are Q8_0 too).
-SHAPES = [(Q4_1, 960, 576), (Q4_1, 576, 576), (Q4_1, 3072, 576), (Q4_1, 576, 1536), (Q8_0, 4096, 576)]
+SHAPES = [(Q4_1, 960, 576), (Q4_1, 576, 576), (Q4_1, 3072, 576), (Q4_1, 576, 1536), (Q8_0, 4096, 576),
+          (Q4_1_A8, 960, 576), (Q4_1_A8, 576, 1536)]  # + the int8-activation variant (gguf-a8)
 MAX_M = 64
 
 
@@ -52,8 +53,8 @@ def test_kernel_row_of_an_m_row_call_is_the_one_row_call(kernel_path, qtype, n, 
     """For every M in 1..64, each row of ``gguf_linear(x[M rows])`` equals the 1-row call
     of that row bit for bit (rows taken from the start and from the end of x, so a row
     sits at every offset of the kernel's row blocks)."""
-    blocks = random_blocks(qtype, n, k, seed=n + k)
-    tiles = gguf_cpu.repack(blocks, qtype, n, k)
+    blocks = random_blocks(STORED[qtype], n, k, seed=n + k)
+    tiles = gguf_cpu.repack(blocks, STORED[qtype], n, k)
     x = (torch.randn(MAX_M, k, generator=torch.Generator().manual_seed(k)) * 3).to(torch.bfloat16)
     single = torch.cat([gguf_cpu.gguf_linear(x[r : r + 1], tiles, qtype, n, k, out_dtype) for r in range(MAX_M)])
     assert single.abs().max() > 0

@@ -329,6 +329,21 @@ def test_t0_speculative_equals_autoregressive_gguf(target_gguf, tokenizer, promp
         assert alone["0"] == ar[k], f"prompt {k} alone differs from its batch of 21"
 
 
+def test_t0_speculative_equals_autoregressive_gguf_a8(model_dir, tokenizer, prompts20, gguf_kernel):
+    """``dtype="gguf-a8"`` (int8 activations, quantised per row and 32-group): as row-invariant
+    as gguf, so speculation at T = 0 (hybrid, every draft verified) gives AR's tokens exactly."""
+    from runtime.kernels.cpu.gguf_cpu import Q4_1_A8
+    from runtime.models.llama import load_llama
+
+    model = load_llama(model_dir, "gguf-a8")
+    assert model.serving_dtype == "gguf-a8" and model.layers[0].mlp.down_proj.qtype == Q4_1_A8
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    _, ar, _, _ = run(model, tokenizer, prompts20[:8], sp, dtype="gguf-a8")
+    _, spec, _, _ = run(model, tokenizer, prompts20[:8], sp, dtype="gguf-a8", spec_method="hybrid", spec_policy="fixed")
+    assert len(ar) == len(spec) == 8
+    assert [k for k in ar if spec[k] != ar[k]] == []
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_reduced_precision_divergences_only_at_near_ties(model_dir, target_fp32, tokenizer, prompts20, dtype):
     """bf16: speculative vs AR may differ only at a near-tie of the AR logits (gguf is exact

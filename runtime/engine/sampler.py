@@ -386,6 +386,8 @@ def warp_probs(
         filt = filt | (sampled & (min_p > 0))
 
     plain = sampled & ~filt
+    if bool(plain.all()):  # every row sampled, no filter (T > 0 alone): no [N, V] zeros + row copy
+        return torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
     if bool(plain.any()):
         rows = plain.nonzero().squeeze(-1)
         out[rows] = torch.softmax(logits[rows] / temperature[rows].unsqueeze(-1), dim=-1)

@@ -180,14 +180,18 @@ def verify_chain(
     t_off, d_off, t_rows, d_rows, valid = _chain(lens, max_l)
     p_target, p_draft = p_target.float(), p_draft.float()
     n_acc = torch.zeros_like(lens)
-    pd_row = p_target.new_zeros(lens.numel(), p_target.shape[1])  # bonus rows: the residual is p_t
+    pd_row = None
     if p_draft.shape[0] > 0:
+        pd_row = p_target.new_zeros(lens.numel(), p_target.shape[1])  # bonus rows: the residual is p_t
         x = draft_tokens.to(dev, torch.int64)[d_rows]
         accept = u_accept.to(dev, torch.float32)[d_rows] * p_draft[d_rows, x] < p_target[t_rows, x]
         n_acc = _accepted_length(accept, valid)
         rejected = (n_acc < lens).unsqueeze(1)
         pd_row = torch.where(rejected, p_draft[torch.where(rejected[:, 0], d_off + n_acc, 0)], pd_row)
-    next_tokens = inverse_cdf_draw(residual(p_target[t_off + n_acc], pd_row), u_sample.to(dev, torch.float32))
+    rows = p_target[t_off + n_acc]
+    # No drafts (plain decoding): every row is a bonus row, whose residual is p_t itself.
+    weights = residual(rows, pd_row) if pd_row is not None else rows
+    next_tokens = inverse_cdf_draw(weights, u_sample.to(dev, torch.float32))
     return VerifyResult(accepted=n_acc, next_tokens=next_tokens, draft_tokens=draft_tokens, lengths=lens)
 
 

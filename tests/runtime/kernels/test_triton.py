@@ -87,6 +87,20 @@ def test_inverse_cdf_draw_hand_cases():
     assert inverse_cdf_draw(torch.zeros(1, 4), torch.tensor([0.3])).tolist() == [3]
 
 
+def test_inverse_cdf_draw_is_the_count_of_cdf_entries_at_or_below_the_threshold():
+    """The draw's binary search equals step 4's definition #{i : Σ_{j≤i} q_j ≤ t} (clamped to
+    V − 1), on rows with runs of zero weights (equal CDF entries), an all-zero row and
+    boundary uniforms."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.rand(64, 300, generator=g) * (torch.rand(64, 300, generator=g) < 0.3)
+    w[0] = 0.0
+    u = torch.cat([torch.rand(60, generator=g), torch.tensor([0.0, 0.5, 1 - 2**-24, 0.999])])
+    cum = quantize_weights(w).cumsum(-1)
+    want = (cum <= cdf_threshold(u, cum[:, -1]).unsqueeze(-1)).sum(-1).clamp(max=299)
+    got = inverse_cdf_draw(w, u)
+    assert torch.equal(got, want) and got[0] == 299 and len(set(got.tolist())) > 30
+
+
 def test_quantize_and_threshold_exact():
     w = torch.tensor([-1.0, 0.0, 2.0**-41, 2.0**-40, 0.3, 1.0, 7.0])
     q = quantize_weights(w).tolist()

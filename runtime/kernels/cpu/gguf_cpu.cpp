@@ -94,6 +94,19 @@ inline __m512i q8_to_bf16(const uint8_t* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 <- lo, 16-31 <- hi
 }
 
+// 32 bf16 (bit patterns) -> two fp32 vectors, elements 0-15 and 16-31 (exact).
+inline void bf16x32_to_f32(const uint16_t* p, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+  hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+}
+
+// Row r's 16 outputs of tile t into y (row stride N): fp32, or rounded to bf16.
+inline void store_tile_row(__m512 acc, float* y_f32, at::BFloat16* y_bf16, int64_t r, int64_t N, int64_t t) {
+  if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
 // Row invariance: every output goes through the same sequence of roundings whatever M, the
 // row blocking and the work split are, so row r of an M-row call is bit for bit the 1-row
 // call (tests/runtime/kernels/test_row_invariance.py). Per group of 32 k, from zero, chain a
@@ -172,10 +185,7 @@ void tile_kernel(const uint16_t* x, const float* xsum, const uint8_t* w, float* 
   int64_t g = 0;
   for (; g + GU <= G; g += GU) groups_kernel<QTYPE, R, GU>(x, xsum, tile, K, G, g, lut, acc);
   for (; g < G; ++g) groups_kernel<QTYPE, R, 1>(x, xsum, tile, K, G, g, lut, acc);
-  for (int r = 0; r < R; ++r) {
-    if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
-  }
+  for (int r = 0; r < R; ++r) store_tile_row(acc[r], y_f32, y_bf16, r, N, t);
 }
 
 // Row chunking: the rows of a call go through a tile in as few passes of at most 8 rows as
@@ -270,10 +280,7 @@ void tile_kernel_a8(const int8_t* xq, const float* sx, const float* xs, const ui
   int64_t g = 0;
   for (; g + GU <= G; g += GU) groups_kernel_a8<R, GU>(xq, sx, xs, tile, K, G, g, acc);
   for (; g < G; ++g) groups_kernel_a8<R, 1>(xq, sx, xs, tile, K, G, g, acc);
-  for (int r = 0; r < R; ++r) {
-    if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
-  }
+  for (int r = 0; r < R; ++r) store_tile_row(acc[r], y_f32, y_bf16, r, N, t);
 }
 
 void tiles_all_rows_a8(const int8_t* xq, const float* sx, const float* xs, const uint8_t* w, float* y_f32,
@@ -293,9 +300,8 @@ void tiles_all_rows_a8(const int8_t* xq, const float* sx, const float* xs, const
 void quantize_rows_a8(const uint16_t* x, int8_t* xq, float* sx, float* xs, int64_t M, int64_t K) {
   const int64_t G = K / QK;
   for (int64_t i = 0; i < M * G; ++i) {
-    const __m512i v = _mm512_loadu_si512(x + i * QK);
-    const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    __m512 a, b;
+    bf16x32_to_f32(x + i * QK, a, b);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // nearest even
@@ -377,10 +383,7 @@ void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, flo
         for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]);
       }
     }
-    for (int64_t r = 0; r < M; ++r) {
-      if (y_f32 != nullptr) _mm512_storeu_ps(y_f32 + r * N + t * TN, acc[r]);
-      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(y_bf16 + r * N + t * TN), (__m256i)_mm512_cvtneps_pbh(acc[r]));
-    }
+    for (int64_t r = 0; r < M; ++r) store_tile_row(acc[r], y_f32, y_bf16, r, N, t);
   }
   _tile_release();
 }
@@ -451,9 +454,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
   if (qtype == QTYPE_Q4_1) {
     xsum.resize(M * G);
     for (int64_t i = 0; i < M * G; ++i) {
-      const __m512i v = _mm512_loadu_si512(xp + i * QK);  // 32 bf16 -> two fp32 halves
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      __m512 lo, hi;
+      bf16x32_to_f32(xp + i * QK, lo, hi);
       xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }

@@ -24,7 +24,7 @@ forward — and DSpark profiles it once at start-up. This module supplies
   device (+ CPU model), torch threads, torch version, γ, drafter id (the drafter's
   architecture: layers, Markov rank/variant, block size, taps — timings do not
   depend on the weights), the largest B profiled, and an engine version (a hash of
-  the hot-path sources, so editing the engine invalidates old profiles).
+  the runtime package's sources, so editing the engine or its kernels invalidates old profiles).
 * :func:`initial_sps_table` — what :class:`runtime.speculation.speculator.Speculator` starts
   with: ``EngineConfig.sps_table_path`` if set, else a cached profile matching the
   key, else :func:`runtime.speculation.sps.fallback_table` (never profiles).
@@ -101,24 +101,16 @@ GLOBAL_WARMUP_S = 0.5
 PROFILE_TEMPERATURES = (1.0, 0.0)
 
 _ROOT = Path(__file__).resolve().parents[2]  # the repository
-#: Sources whose code runs inside a profiled round; their hash is the engine version.
-_HOT_PATH = (
-    "runtime/engine/llm_engine.py",
-    "runtime/speculation/speculator.py",
-    "runtime/engine/sampler.py",
-    "runtime/engine/kv_cache.py",
-    "runtime/models/llama.py",
-    "runtime/speculation/drafter.py",
-    "runtime/speculation/fast_drafter.py",
-    "runtime/kernels/cpu/fused_layer.cpp",
-    "runtime/kernels/cpu/gguf_cpu.cpp",
-    "runtime/kernels/cpu/work_pool.h",
-    "runtime/speculation/markov_head.py",
-    "runtime/speculation/confidence_head.py",
-    "runtime/speculation/verifier.py",
-    "runtime/speculation/prompt_lookup.py",
-    "runtime/speculation/sps_profiler.py",
-)
+#: Sources whose code runs inside a profiled round, whose hash is the engine version: every
+#: Python and C++ source of the runtime package. (A hand-kept list of files went stale: it
+#: missed the gguf kernel and its Python side, so a kernel change kept cached tables.)
+_HOT_PATH_SUFFIXES = (".py", ".cpp", ".h")
+
+
+def _hot_path() -> list[str]:
+    """The runtime package's sources, repository-relative, sorted."""
+    return sorted(str(p.relative_to(_ROOT)) for p in (_ROOT / "runtime").rglob("*")
+                  if p.suffix in _HOT_PATH_SUFFIXES and p.is_file())
 
 
 # ------------------------------------------------------------------ geometry
@@ -250,12 +242,11 @@ class EngineRoundFn:
 
 # --------------------------------------------------------------------- keys
 def engine_version() -> str:
-    """``"<PROFILE_VERSION>+<sha256 of the hot-path sources>[:12]"``."""
+    """``"<PROFILE_VERSION>+<sha256 of the runtime package's sources>[:12]"``."""
     h = hashlib.sha256()
-    for rel in _HOT_PATH:
-        p = _ROOT / rel
+    for rel in _hot_path():
         h.update(rel.encode())
-        h.update(p.read_bytes() if p.exists() else b"<missing>")
+        h.update((_ROOT / rel).read_bytes())
     return f"{PROFILE_VERSION}+{h.hexdigest()[:12]}"
 
 

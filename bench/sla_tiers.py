@@ -12,7 +12,8 @@ and the prefix cache never helps), AR first, then the two policies in alternatin
   target, ``--gold-factor`` × that p50 (tok/s);
 * ``dspark`` and ``dspark-sla`` — ``--method`` speculation (the served default proposer,
   ``hybrid``, unless told otherwise) with ``--gold`` gold clients carrying that target
-  (``sla_target_tokens_per_s``) and c − gold best-effort clients without one. Both policies
+  (``sla_target_tokens_per_s``) and c − gold best-effort clients without one, the gold
+  clients spread evenly over the submission order. Both policies
   admit and batch identically (same clients, same prompts, same max batch); only the
   verification budget differs (``dspark`` weighs every request 1, ``dspark-sla`` by tier).
 
@@ -111,6 +112,10 @@ def main() -> None:
         for name, (engine, col) in engines.items():
             drive(engine, col, [Client(requests=1) for _ in range(c)], warm_prompt, max_tokens=args.max_tokens,
                   temperature=args.temperature, seed=10**6)
+        # gold clients spread evenly over the submission order (c = 8: 0, 2, 4, 6): the first
+        # requests admitted decode beside the others' prefill chunks, so a tier made of the
+        # first clients would be slower than the all-request AR p50 for that reason alone
+        gold_slots = {i * c // args.gold for i in range(args.gold)}
         rounds = []
         for r in range(args.rounds):
             prompts = pool[block * per_round : (block + 1) * per_round]
@@ -123,8 +128,8 @@ def main() -> None:
                                                        for _ in range(c)], prompts, args, seed=1000 * c + r)
             target = round(args.gold_factor * runs["AR"]["all"]["per_user_tok_s_p50"], 2)
             for name in order:
-                clients = [Client("gold", target, args.requests_per_client) for _ in range(args.gold)]
-                clients += [Client("best-effort", None, args.requests_per_client) for _ in range(c - args.gold)]
+                clients = [Client("gold", target, args.requests_per_client) if i in gold_slots
+                           else Client("best-effort", None, args.requests_per_client) for i in range(c)]
                 engine, col = engines[name]
                 runs[name] = run_level(engine, col, clients, prompts, args, seed=1000 * c + r)
                 gold = runs[name]["gold"]

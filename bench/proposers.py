@@ -20,7 +20,8 @@ Configurations (``--configs``; ``METHOD[:POLICY][+gate]``):
 Temperature 0 (``--temperature``), ``--max-tokens`` (128) tokens with EOS allowed, the served
 dtype. At T = 0 every configuration's text must equal plain decoding's (checked, reported as
 ``texts_equal``). ``--concurrency c`` > 1: batches of c fresh prompts at once (EOS ignored),
-aggregate and per-user tok/s per config, interleaved per batch.
+aggregate (tokens / wall) and per-user tok/s per config, interleaved per batch, and the
+steady-state rate while all c requests decode (:func:`steady_rate`: without the batch's tail).
 Prints one JSON document.
 
     .venv/bin/python bench/proposers.py [--per-task 8] [--tasks mt-bench gsm8k humaneval]
@@ -61,13 +62,25 @@ class Runner:
 
     def __init__(self, cfg: EngineConfig, model=None, tokenizer=None, temperature: float = 0.0) -> None:
         self.events: list = []
+        self.stamped: list[tuple[float, str, object]] = []  # (perf_counter, request id, event)
         self.temperature = temperature
-        self.engine = LLMEngine(cfg, lambda rid, ev: self.events.append(ev), model=model, tokenizer=tokenizer)
+        self.engine = LLMEngine(cfg, self._on_event, model=model, tokenizer=tokenizer)
+
+    def _on_event(self, rid: str, ev) -> None:
+        self.events.append(ev)
+        self.stamped.append((time.perf_counter(), rid, ev))
 
     def generate_batch(self, prompts: list[list[int]], max_tokens: int) -> dict:
         """All ``prompts`` at once (c = len(prompts)): aggregate tok/s = completion tokens / wall,
-        per-user tok/s per request; the engine's decode rounds and verified rows."""
-        self.events = []
+        per-user tok/s per request; the engine's decode rounds and verified rows.
+
+        ``steady_tok_s``: tokens emitted while all c requests were decoding (from the last
+        first token to the first finish) per second of that window — the throughput of a
+        closed loop at concurrency c without the batch's prefill and its tail. The tail
+        matters for speculation: when one request's drafts pay and another's do not, the
+        fast one finishes first and the slow one decodes alone, so tokens / wall charges the
+        batch's makespan to the method (AR's requests finish together)."""
+        self.events, self.stamped = [], []
         eng = self.engine
         steps0, rows0 = eng.decode_steps, eng.verify_tokens
         for i, ids in enumerate(prompts):
@@ -81,6 +94,7 @@ class Runner:
         tokens = sum(f.completion_tokens for f in fins)
         users = [(f.completion_tokens - 1) / (f.timings.last_token - f.timings.first_token) for f in fins]
         return {"aggregate_tok_s": tokens / wall, "per_user_p50": statistics.median(users),
+                "steady_tok_s": steady_rate(self.stamped),
                 "rounds": eng.decode_steps - steps0, "rows": eng.verify_tokens - rows0}
 
     def generate(self, ids: list[int], max_tokens: int) -> dict:
@@ -102,6 +116,26 @@ class Runner:
                        first_accepted=(st.accepted_per_position or [0])[0], gated_rounds=st.gated_rounds,
                        drafted_rounds=drafted_rounds)
         return out
+
+
+def steady_rate(stamped: list[tuple[float, str, object]]) -> float | None:
+    """Tokens per second while every request of a batch was decoding.
+
+    ``stamped``: ``(time s, request id, event)`` in emission order. The window runs from the
+    last request's first token (exclusive) to the first :class:`Finished` (inclusive); the
+    tokens of the :class:`TextDelta` events inside it are counted. ``None`` when the window is
+    empty (a request finished before another started decoding)."""
+    firsts: dict[str, float] = {}
+    for t, rid, ev in stamped:
+        if isinstance(ev, TextDelta) and ev.num_tokens:
+            firsts.setdefault(rid, t)
+    ends = [t for t, _, ev in stamped if isinstance(ev, Finished)]
+    if not firsts or not ends:
+        return None
+    start, end = max(firsts.values()), min(ends)
+    if end <= start:
+        return None
+    return sum(ev.num_tokens for t, _, ev in stamped if isinstance(ev, TextDelta) and start < t <= end) / (end - start)
 
 
 def summarise(rows: list[dict], base: list[dict]) -> dict:
@@ -139,6 +173,9 @@ def concurrent(args, configs: list[str], runners: dict, tok) -> int:
             "aggregate_tok_s_p50": round(statistics.median(x["aggregate_tok_s"] for x in r), 1),
             "per_user_p50": round(statistics.median(x["per_user_p50"] for x in r), 1),
             "aggregate_vs_plain": [round(x["aggregate_tok_s"] / y["aggregate_tok_s"], 3) for x, y in zip(r, rows["none"])],
+            "steady_tok_s_p50": round(statistics.median(x["steady_tok_s"] or 0.0 for x in r), 1),
+            "steady_vs_plain": [round(x["steady_tok_s"] / y["steady_tok_s"], 3) if x["steady_tok_s"] and y["steady_tok_s"]
+                                else None for x, y in zip(r, rows["none"])],
             "rows_per_round": round(sum(x["rows"] for x in r) / max(sum(x["rounds"] for x in r), 1), 2),
         }
     print(json.dumps(out, indent=1))

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="dspark", choices=["dspark", "hybrid", "prompt_lookup"])
     ap.add_argument("--flush-every", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     args = ap.parse_args(argv)
     dtype = resolve_dtype(args.dtype)
     common = dict(dtype=dtype, max_batch_size=args.batch, max_context=2048, request_timeout_s=3600.0,
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     need = args.rounds + 16
     for eng in (plain, spec):
         for i, p in enumerate(ids):
-            eng.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=need,
+            eng.add_request(GenerationRequest(str(i), p, SamplingParams(temperature=args.temperature, max_tokens=need,
                                                                         ignore_eos=True)))
         while any(s.status.name != "DECODE" for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()  # prefill (not timed)
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     assert spec.spec_steps == 0, "a forced-plain round drafted"
     print(json.dumps({"method": args.method, "dtype": dtype, "batch": args.batch, "rounds": args.rounds,
+                      "temperature": args.temperature,
                       "plain_step_ms_p50": round(med["plain"], 3), "l0_round_ms_p50": round(med["spec"], 3),
                       "ratio": round(med["spec"] / med["plain"], 4),
                       "plain_step_ms_mean": round(statistics.fmean(times["plain"]) * 1e3, 3),

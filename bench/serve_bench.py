@@ -231,17 +231,31 @@ async def run_level(base_url: str, key: str, prompts: list[str], concurrency: in
 
 def level_summary(results: list[dict], concurrency: int, wall: float) -> dict:
     """One concurrency level's numbers from per-request results (``ttft_s``,
-    ``completion_tokens``, ``decode_tokens_per_s``, optional ``tokens_from``) and the
-    level's wall time (seconds)."""
+    ``completion_tokens``, ``decode_tokens_per_s``, optional ``tokens_from`` and ``e2e_s``)
+    and the level's wall time (seconds).
+
+    ``aggregate_tokens_per_s`` = completion tokens / wall: the level's makespan, so it also
+    charges the tail in which clients that are done wait for the last one.
+    ``closed_loop_tokens_per_s`` (when every result has ``e2e_s``) = c · Σ tokens / Σ e2e —
+    the response-time law X = N / R of a closed loop of N = c clients without think time:
+    the throughput while all c clients are busy, without that tail. The two agree when
+    requests take equally long; a method whose requests vary more (speculation accepts
+    more on some prompts than others) loses ~σ/√(π·n) of makespan at c = 2 with n requests
+    per client and a relative spread σ of one request's time, which only the first one
+    charges to it."""
     tps = [r["decode_tokens_per_s"] for r in results if r["decode_tokens_per_s"]]
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     tokens = sum(r["completion_tokens"] for r in results)
+    e2e = [r.get("e2e_s") for r in results]
+    closed = (round(concurrency * tokens / sum(e2e), 2)
+              if results and all(x is not None and x > 0 for x in e2e) else None)
     return {
         "concurrency": concurrency,
         "requests": len(results),
         "per_user_tokens_per_s_p50": round(statistics.median(tps), 2) if tps else None,
         "per_user_tokens_per_s_p10": round(sorted(tps)[len(tps) // 10], 2) if tps else None,
         "aggregate_tokens_per_s": round(tokens / wall, 2),
+        "closed_loop_tokens_per_s": closed,
         "ttft_s_p50": round(statistics.median(ttft), 4) if ttft else None,
         "completion_tokens": tokens,
         "wall_s": round(wall, 3),
@@ -327,7 +341,8 @@ def summarize_rounds(rows: list[dict], baseline: str | None) -> list[dict]:
     """Per (server, temperature, concurrency): medians over rounds of per-user p50,
     aggregate and TTFT, and — when ``baseline`` (a server name of this run) is given —
     the median over rounds of the per-round ratios to that server measured in the same
-    round (``per_user_vs_baseline``, ``aggregate_vs_baseline``; every round's ratio in
+    round (``per_user_vs_baseline``, ``aggregate_vs_baseline``, ``closed_loop_vs_baseline``
+    when the rounds have it; every round's ratio in
     ``..._rounds``). A ratio is never taken against a server of another run."""
     base = {(r["temperature"], r["concurrency"], r["round"]): r for r in rows if r["server"] == baseline}
     groups: dict[tuple, list[dict]] = {}
@@ -340,14 +355,16 @@ def summarize_rounds(rows: list[dict], baseline: str | None) -> list[dict]:
             "requests": sum(r["requests"] for r in rs),
             "per_user_tokens_per_s_p50": _median([r["per_user_tokens_per_s_p50"] for r in rs]),
             "aggregate_tokens_per_s": _median([r["aggregate_tokens_per_s"] for r in rs]),
+            "closed_loop_tokens_per_s": _median([r.get("closed_loop_tokens_per_s") for r in rs]),
             "ttft_s_p50": _median([r["ttft_s_p50"] for r in rs]),
         }
         if baseline is not None and any((t, c, r["round"]) in base for r in rs):
-            for metric, name in (("per_user_tokens_per_s_p50", "per_user"), ("aggregate_tokens_per_s", "aggregate")):
+            for metric, name in (("per_user_tokens_per_s_p50", "per_user"), ("aggregate_tokens_per_s", "aggregate"),
+                                 ("closed_loop_tokens_per_s", "closed_loop")):
                 ratios = []
                 for r in rs:
                     b = base.get((t, c, r["round"]))
-                    if b and b[metric] and r[metric] is not None:
+                    if b and b.get(metric) and r.get(metric) is not None:
                         ratios.append(round(r[metric] / b[metric], 4))
                 item[f"{name}_vs_baseline"] = _median(ratios)
                 item[f"{name}_vs_baseline_rounds"] = ratios

@@ -111,6 +111,32 @@ def test_ratios_are_per_round_against_the_same_runs_baseline():
     assert not any("vs_baseline" in k for s in sb.summarize_rounds(rows, "llama (another run)") for k in s)
 
 
+def _req(tokens, e2e):
+    return {"completion_tokens": tokens, "e2e_s": e2e, "ttft_s": 0.1, "decode_tokens_per_s": tokens / e2e}
+
+
+def test_closed_loop_throughput_leaves_out_the_tail_that_the_makespan_charges():
+    """Two clients, two requests each: A's take 1 s, B's 2 s; B's client ends 2 s after A's."""
+    results = [_req(100, 1.0), _req(100, 1.0), _req(100, 2.0), _req(100, 2.0)]
+    s = sb.level_summary(results, 2, wall=4.0)
+    assert s["aggregate_tokens_per_s"] == 100.0  # 400 tokens over the 4 s makespan
+    assert s["closed_loop_tokens_per_s"] == round(2 * 400 / 6.0, 2)  # X = N / R: R = 1.5 s per request
+    # equal request times: the two agree
+    even = sb.level_summary([_req(100, 1.5)] * 4, 2, wall=3.0)
+    assert even["closed_loop_tokens_per_s"] == even["aggregate_tokens_per_s"] == round(400 / 3.0, 2)
+    # a result without e2e (an in-process caller): no closed-loop figure, and no ratio from it
+    assert sb.level_summary([{"completion_tokens": 8, "ttft_s": None, "decode_tokens_per_s": None}], 1, 1.0)[
+        "closed_loop_tokens_per_s"] is None
+
+
+def test_closed_loop_ratio_is_per_round_too():
+    rows = [{**_row("AR", 2, r, 100.0, 90.0), "closed_loop_tokens_per_s": 100.0} for r in range(3)]
+    rows += [{**_row("S", 2, r, 100.0, 90.0), "closed_loop_tokens_per_s": x} for r, x in enumerate((90.0, 110.0, 105.0))]
+    by = {s["server"]: s for s in sb.summarize_rounds(rows, "AR")}
+    assert by["S"]["closed_loop_vs_baseline_rounds"] == [0.9, 1.1, 1.05]
+    assert by["S"]["closed_loop_vs_baseline"] == 1.05 and by["S"]["closed_loop_tokens_per_s"] == 105.0
+
+
 @pytest.mark.parametrize("spec, env", [
     ("none", {"SPARKGATE_SPEC_METHOD": "none"}),
     ("dspark", {"SPARKGATE_SPEC_METHOD": "dspark"}),

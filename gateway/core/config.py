@@ -128,9 +128,13 @@ class Settings(_Derived):
     max_body_bytes: int = 2_000_000
     shutdown_timeout_s: float = 30.0
     backend: Literal["embedded", "sglang", "openai"] = "embedded"
-    # Derived fields the gateway narrows: the dtypes the engine accepts, start-up profiling on
-    # when serving, no negative cache, URLs as a comma-separated list.
+    # Derived fields the gateway narrows: the dtypes, speculation methods and verification
+    # policies the engine accepts (a typo fails at start-up, naming the setting, instead of
+    # leaving /readyz at 503), start-up profiling on when serving, no negative cache, URLs as
+    # a comma-separated list.
     dtype: Literal["auto", "gguf", "gguf-a8", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
+    spec_method: Literal["none", "dspark", "parallel", "prompt_lookup", "hybrid"] = "none"
+    spec_policy: Literal["fixed", "mtp1", "threshold", "dspark", "dspark-sla"] = "dspark-sla"
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)
     sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SGLangConfig.urls))

@@ -43,8 +43,10 @@ def _changed(hint: object, default: object, name: str) -> tuple[str, object]:
     if int in kinds or float in kinds:
         value = (default or 0) + (3 if int in kinds else 0.25)
         return str(value), value
-    if name == "dtype":
-        return "float32", "float32"
+    narrowed = Settings.model_fields.get(name)  # a field the gateway narrows to a Literal (dtype, spec_method, …)
+    if narrowed is not None and typing.get_origin(narrowed.annotation) is typing.Literal:
+        value = next(c for c in typing.get_args(narrowed.annotation) if c not in (default, "auto"))
+        return value, value
     return f"value-of-{name}", f"value-of-{name}"
 
 

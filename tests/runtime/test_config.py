@@ -70,6 +70,31 @@ def test_settings_accept_exactly_the_engine_dtypes(monkeypatch):
     assert Settings(_env_file=None).engine_config().dtype == "gguf"
 
 
+@pytest.mark.parametrize("field, env, valid, names_of", [
+    ("spec_method", "SPARKGATE_SPEC_METHOD", "hybrid", "runtime.speculation.speculator:SPEC_METHODS"),
+    ("spec_policy", "SPARKGATE_SPEC_POLICY", "threshold", "runtime.speculation.budget:POLICIES"),
+])
+def test_settings_accept_exactly_the_engine_methods_and_policies(monkeypatch, field, env, valid, names_of):
+    """A typo in ``SPARKGATE_SPEC_METHOD`` / ``SPARKGATE_SPEC_POLICY`` fails when the settings
+    load (naming the setting), not later inside the engine's start with /readyz left at 503;
+    the Literal lists equal the engine's."""
+    import importlib
+    import typing
+
+    from pydantic import ValidationError
+
+    from gateway.core.config import Settings
+
+    module, name = names_of.split(":")
+    assert set(typing.get_args(Settings.model_fields[field].annotation)) == set(getattr(importlib.import_module(module), name))
+    assert Settings.model_fields[field].default == getattr(EngineConfig(), field)
+    monkeypatch.setenv(env, "dsaprk")
+    with pytest.raises(ValidationError, match=field):
+        Settings(_env_file=None)
+    monkeypatch.setenv(env, valid)
+    assert getattr(Settings(_env_file=None).engine_config(), field) == valid
+
+
 @pytest.mark.model
 def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     """The default ``dtype="auto"`` reaches the engine unresolved (Settings → EngineConfig);

@@ -58,7 +58,8 @@ class EngineConfig:
             ``dspark``, ``dspark-sla`` (default).
         draft_checkpoint: path of a drafter checkpoint dir (safetensors + JSON);
             ``None`` → the committed one for the method (``checkpoints/default`` for
-            ``dspark``, ``checkpoints/parallel`` for ``parallel``; random init if it is missing).
+            ``dspark`` and ``hybrid``, ``checkpoints/parallel`` for ``parallel``); a missing or
+            mismatched checkpoint is a start-up error naming this setting, never a random init.
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
         draft_fused: draft with :class:`runtime.speculation.fast_drafter.FastDrafter` (fused C++
             backbone, draft vocabulary) where the target is on the fused ``gguf`` path;

@@ -17,7 +17,7 @@ Every ``--flush-every`` rounds (default 16, the gate's probe period) the specula
 queued context is committed, as the probe step would, and that cost is included.
 Prints one JSON document.
 
-    .venv/bin/python bench/round_overhead.py [--rounds 240] [--batch 1] [--method dspark]
+    .venv/bin/python bench/round_overhead.py [--rounds 240] [--batch 1] [--method dspark] [--temperature 0]
 """
 
 from __future__ import annotations

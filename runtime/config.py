@@ -25,6 +25,11 @@ def env(name: str) -> str:
     return os.environ.get(name, "").strip() or ENV[name][0]
 
 
+#: ``EngineConfig.spec_method`` values ("none": plain decoding); the gateway's settings accept
+#: exactly these (torch-free, so it lives here rather than in the speculator)
+SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
+
+
 @dataclass
 class EngineConfig:
     """Knobs of the embedded engine.

@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.config import EngineConfig
+from runtime.config import SPEC_METHODS, EngineConfig
 from runtime.sglang.client import SGLangConfig
+from runtime.speculation.budget import POLICIES
 from runtime.upstream.config import UpstreamConfig
 
 #: ``SGLangConfig`` / ``UpstreamConfig`` fields taken from the unprefixed setting of the same name.
@@ -133,8 +134,8 @@ class Settings(_Derived):
     # leaving /readyz at 503), start-up profiling on when serving, no negative cache, URLs as
     # a comma-separated list.
     dtype: Literal["auto", "gguf", "gguf-a8", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
-    spec_method: Literal["none", "dspark", "parallel", "prompt_lookup", "hybrid"] = "none"
-    spec_policy: Literal["fixed", "mtp1", "threshold", "dspark", "dspark-sla"] = "dspark-sla"
+    spec_method: Literal[SPEC_METHODS] = "none"
+    spec_policy: Literal[POLICIES] = "dspark-sla"
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)
     sglang_urls: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SGLangConfig.urls))

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.config import EngineConfig
+from runtime.config import SPEC_METHODS, EngineConfig
 from runtime.engine.sampler import SamplingBatch
 from runtime.engine.sequence import SequenceState
 from runtime.models.llama import LlamaModel
@@ -51,7 +51,6 @@ from runtime.speculation.sps import SpsTable, fallback_table
 
 log = logging.getLogger(__name__)
 
-SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
 #: a slot's queued draft-context positions that force a flush (:meth:`Speculator.commit`);
 #: ``hybrid`` abandons the slot's drafter context instead (no DSpark draft for that long)
 LAZY_COMMIT_MAX = 64

@@ -51,44 +51,40 @@ def test_speculator_rejects_an_unknown_policy_at_start_up():
     assert "dspark-sla" in POLICIES and EngineConfig().spec_policy in POLICIES
 
 
-def test_settings_accept_exactly_the_engine_dtypes(monkeypatch):
-    """``SPARKGATE_DTYPE`` is checked at start-up against the same names the engine serves
-    (a Literal in Settings, a dict in the engine: this keeps the two lists equal)."""
-    import typing
+def _engine_names(field: str) -> set[str]:
+    """The values the engine itself accepts for ``field``."""
+    if field == "dtype":
+        from runtime.engine.llm_engine import DTYPES
 
-    from pydantic import ValidationError
+        return {"auto", *DTYPES}
+    if field == "spec_method":
+        from runtime.speculation.speculator import SPEC_METHODS
 
-    from gateway.core.config import Settings
-    from runtime.engine.llm_engine import DTYPES
+        return set(SPEC_METHODS)
+    from runtime.speculation.budget import POLICIES
 
-    names = set(typing.get_args(Settings.model_fields["dtype"].annotation))
-    assert names == {"auto", *DTYPES}
-    monkeypatch.setenv("SPARKGATE_DTYPE", "int3")
-    with pytest.raises(ValidationError, match="dtype"):
-        Settings(_env_file=None)
-    monkeypatch.setenv("SPARKGATE_DTYPE", "gguf")
-    assert Settings(_env_file=None).engine_config().dtype == "gguf"
+    return set(POLICIES)
 
 
-@pytest.mark.parametrize("field, env, valid, names_of", [
-    ("spec_method", "SPARKGATE_SPEC_METHOD", "hybrid", "runtime.speculation.speculator:SPEC_METHODS"),
-    ("spec_policy", "SPARKGATE_SPEC_POLICY", "threshold", "runtime.speculation.budget:POLICIES"),
+@pytest.mark.parametrize("field, env, bad, valid", [
+    ("dtype", "SPARKGATE_DTYPE", "int3", "gguf"),
+    ("spec_method", "SPARKGATE_SPEC_METHOD", "dsaprk", "hybrid"),
+    ("spec_policy", "SPARKGATE_SPEC_POLICY", "dsaprk", "threshold"),
 ])
-def test_settings_accept_exactly_the_engine_methods_and_policies(monkeypatch, field, env, valid, names_of):
-    """A typo in ``SPARKGATE_SPEC_METHOD`` / ``SPARKGATE_SPEC_POLICY`` fails when the settings
-    load (naming the setting), not later inside the engine's start with /readyz left at 503;
-    the Literal lists equal the engine's."""
-    import importlib
+def test_settings_accept_exactly_the_engine_values(monkeypatch, field, env, bad, valid):
+    """``SPARKGATE_DTYPE`` / ``_SPEC_METHOD`` / ``_SPEC_POLICY`` are checked when the settings
+    load (a typo fails there, naming the setting, not later inside the engine's start with
+    /readyz left at 503) against the same names the engine accepts: a Literal in Settings,
+    the engine's own list or dict beside it; this keeps the two equal."""
     import typing
 
     from pydantic import ValidationError
 
     from gateway.core.config import Settings
 
-    module, name = names_of.split(":")
-    assert set(typing.get_args(Settings.model_fields[field].annotation)) == set(getattr(importlib.import_module(module), name))
+    assert set(typing.get_args(Settings.model_fields[field].annotation)) == _engine_names(field)
     assert Settings.model_fields[field].default == getattr(EngineConfig(), field)
-    monkeypatch.setenv(env, "dsaprk")
+    monkeypatch.setenv(env, bad)
     with pytest.raises(ValidationError, match=field):
         Settings(_env_file=None)
     monkeypatch.setenv(env, valid)

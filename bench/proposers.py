@@ -169,11 +169,12 @@ def concurrent(args, configs: list[str], runners: dict, tok) -> int:
     out = {"concurrency": args.concurrency, "temperature": args.temperature, "batches": args.batches, "max_tokens": args.max_tokens, "configs": {}}
     for c in configs:
         r = rows[c]
+        steady = [x["steady_tok_s"] for x in r if x["steady_tok_s"]]  # None: no window in that batch
         out["configs"][c] = {
             "aggregate_tok_s_p50": round(statistics.median(x["aggregate_tok_s"] for x in r), 1),
             "per_user_p50": round(statistics.median(x["per_user_p50"] for x in r), 1),
             "aggregate_vs_plain": [round(x["aggregate_tok_s"] / y["aggregate_tok_s"], 3) for x, y in zip(r, rows["none"])],
-            "steady_tok_s_p50": round(statistics.median(x["steady_tok_s"] or 0.0 for x in r), 1),
+            "steady_tok_s_p50": round(statistics.median(steady), 1) if steady else None,
             "steady_vs_plain": [round(x["steady_tok_s"] / y["steady_tok_s"], 3) if x["steady_tok_s"] and y["steady_tok_s"]
                                 else None for x, y in zip(r, rows["none"])],
             "rows_per_round": round(sum(x["rows"] for x in r) / max(sum(x["rounds"] for x in r), 1), 2),

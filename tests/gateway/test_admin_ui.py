@@ -215,12 +215,25 @@ def admin_get(live, path: str, **params) -> dict:
     return r.json()
 
 
-def complete(live, user: str | None, max_tokens: int = 12, key: str | None = None, ignore_eos: bool = False) -> dict:
+def complete(live, user: str | None, max_tokens: int = 12, key: str | None = None) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
-            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": ignore_eos, **({"user": user} if user else {})}
+            "temperature": 0, "max_tokens": max_tokens, **({"user": user} if user else {})}
     r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=live.headers(key), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def stream_until(live, user: str, leave: threading.Event, max_tokens: int) -> None:
+    """Stream an ``ignore_eos`` T = 0 completion of up to ``max_tokens`` tokens and disconnect
+    once ``leave`` is set (the server then aborts the request)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "user": user}
+    with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=body, headers=live.headers(),
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for _ in r.iter_lines():
+            if leave.is_set():
+                return
 
 
 def refresh_rollups(live) -> None:
@@ -291,9 +304,11 @@ def test_login_by_keyboard_then_live_charts_equal_the_api(ui, live_server):
                                 "points": [[ms(p["minute"]), p["tokens_per_s"]] for p in s["points"]]}
                                for s in api15["data"]]
 
-    # live engine load: a long request shows up as running, with a verification budget B ≥ 1 per round
-    # long enough (ignore_eos) to span several UI polls even on an idle machine
-    t = threading.Thread(target=complete, args=(live_server, "ui-long", 600, None, True), daemon=True)
+    # live engine load: a long request shows up as running, with a verification budget B ≥ 1 per round;
+    # streamed (ignore_eos, up to 600 tokens: several UI polls even on an idle machine) and cut by the
+    # client once the page has shown it, so the shared server aborts it instead of decoding on
+    leave = threading.Event()
+    t = threading.Thread(target=stream_until, args=(live_server, "ui-long", leave, 600), daemon=True)
     t.start()
     zero = page.wait_for_function("""() => {
         const s = JSON.parse(document.querySelector('[data-chart-name=engine-load]').dataset.chart || '[]');
@@ -312,7 +327,9 @@ def test_login_by_keyboard_then_live_charts_equal_the_api(ui, live_server):
     # plain decoding: every request-round verifies only its anchor (ℓ = 0) and produces one token
     assert zero == "100.0 %" and taus and all(y == 1.0 for y in taus), (zero, taus)
     assert engine["zero_budget_rows"] == engine["decode_rows"] == engine["decode_tokens"] > 0
+    leave.set()
     t.join(300)
+    assert not t.is_alive()
     ui.shot("overview")
     httpx.delete(f"{live_server.base_url}/admin/v1/tenants/{tenant}", headers=A)
     httpx.delete(f"{live_server.base_url}/admin/v1/tiers/{tier}", headers=A)

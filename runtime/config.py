@@ -29,6 +29,11 @@ def env(name: str) -> str:
 #: exactly these (torch-free, so it lives here rather than in the speculator)
 SPEC_METHODS = ("none", "dspark", "parallel", "prompt_lookup", "hybrid")
 
+#: ``EngineConfig.dtype`` values besides ``"auto"`` (:func:`resolve_dtype`): what the engine
+#: loads the target as (``runtime.engine.llm_engine.DTYPES`` maps each to its torch dtype or
+#: weight format); the gateway's settings accept exactly these and ``"auto"``
+DTYPE_NAMES = ("gguf", "gguf-a8", "bfloat16", "bf16", "float32", "fp32", "int8")
+
 
 @dataclass
 class EngineConfig:

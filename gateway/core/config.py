@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.config import SPEC_METHODS, EngineConfig
+from runtime.config import DTYPE_NAMES, SPEC_METHODS, EngineConfig
 from runtime.sglang.client import SGLangConfig
 from runtime.speculation.budget import POLICIES
 from runtime.upstream.config import UpstreamConfig
@@ -133,7 +133,7 @@ class Settings(_Derived):
     # policies the engine accepts (a typo fails at start-up, naming the setting, instead of
     # leaving /readyz at 503), start-up profiling on when serving, no negative cache, URLs as
     # a comma-separated list.
-    dtype: Literal["auto", "gguf", "gguf-a8", "bfloat16", "bf16", "float32", "fp32", "int8"] = "auto"
+    dtype: Literal[("auto", *DTYPE_NAMES)] = "auto"
     spec_method: Literal[SPEC_METHODS] = "none"
     spec_policy: Literal[POLICIES] = "dspark-sla"
     profile_on_start: bool = True

@@ -70,6 +70,8 @@ from runtime.speculation.verifier import spec_round
 
 log = logging.getLogger(__name__)
 
+#: ``EngineConfig.dtype`` → what the target loads as; its keys are ``runtime.config.DTYPE_NAMES``
+#: (kept equal by tests/runtime/test_config.py)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "int8": torch.int8,  # opt-in weight-only int8 linears over fp32 activations (runtime.models.quant)
           "gguf": "gguf",  # the GGUF's own Q4_1/Q8_0 blocks over bf16 activations (runtime.models.gguf_weights)

@@ -218,7 +218,9 @@ class SpecStats:
     strings, EOS or max_tokens are not counted.
 
     A round is one target forward the request decoded in. ``gated_rounds`` of them
-    were plain decode steps chosen by the speculation gate (``runtime.speculation.gate``):
+    were plain decode steps chosen by the speculation gate (``runtime.speculation.gate``)
+    or, under ``hybrid``, rounds in which the budget would verify no draft of any request
+    (n-gram continuations found then are not counted as drafted):
     each counts as a round with 0 drafted / 0 verified / 0 accepted / 1 emitted, so
     ``emitted`` is still every token after the first and ``tau`` the tokens per forward.
     """

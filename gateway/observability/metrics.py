@@ -271,7 +271,7 @@ class StateCollector:
         yield CounterMetricFamily("sparkgate:spec_decode_steps",
                                   "Decode rounds that drafted and verified (speculation on).", load.spec_steps)
         yield CounterMetricFamily("sparkgate:spec_decode_gated_steps",
-                                  "Decode rounds the speculation gate ran as plain decode (no drafting).",
+                                  "Decode rounds run as plain decode (the speculation gate, or hybrid with nothing to verify).",
                                   load.spec_gated_steps)
         yield CounterMetricFamily("sparkgate:engine_decode_rows",
                                   "Request-rounds: sum over decode rounds of the requests each verified.",

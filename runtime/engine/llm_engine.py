@@ -158,7 +158,7 @@ class LLMEngine:
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts
         self.spec_steps = 0  # decode rounds that drafted (speculator present)
-        self.gated_steps = 0  # decode rounds the gate ran as plain AR (no drafting); + spec_steps = decode_steps
+        self.gated_steps = 0  # plain decode rounds (the gate, or hybrid with nothing to verify); + spec_steps = decode_steps
         self.decode_rows = 0  # Σ per round of its decoding requests (request-rounds)
         self.zero_budget_rows = 0  # of those, request-rounds verified with ℓ_r = 0 (no draft token)
         self.decode_tokens = 0  # tokens those rounds produced (accepted + bonus, before stop/EOS cuts)

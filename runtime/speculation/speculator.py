@@ -317,8 +317,9 @@ class Speculator:
 
         ``use_drafter`` ``False`` (the speculation gate's plain step): no drafting at all for
         ``dspark``/``parallel``/``prompt_lookup``; ``hybrid`` still verifies the n-gram drafts its
-        budget admits (they cost no drafting). Returns ``None`` when nothing was drafted (a plain
-        decode step)."""
+        budget admits (they cost no drafting). Returns ``None`` for a plain decode step: nothing
+        was drafted, or (``hybrid``) no DSpark draft and no n-gram draft the budget would verify
+        (:meth:`_ngram_admitted`)."""
         self._round_draft_s = 0.0  # this round's drafting, subtracted from its measured time (record_round)
         if self.method == "prompt_lookup":
             return self._propose_ngram(seqs) if use_drafter else None
@@ -333,9 +334,27 @@ class Speculator:
                   if use_drafter and seqs[i].slot not in self._no_context
                   and (not toks or rnd.ngram_c1[i] < self._dspark_a1(seqs[i]))]
         use = self._worth_drafting(seqs, rnd, wanted)
-        if not use and not any(t for t, _ in rnd.ngrams):
+        if not use and not self._ngram_admitted(rnd):
             return None
         return self._propose_blocks(seqs, rnd, use)
+
+    def _ngram_admitted(self, rnd: "_Round") -> bool:
+        """Whether the verification budget would verify any n-gram draft of a round without
+        DSpark drafts. ``dspark`` / ``dspark-sla``: Alg. 1's first comparison
+        (:func:`runtime.speculation.budget._greedy`, the same arithmetic) on the best first
+        n-gram token w_r·c_{r,1}: when it does not raise Θ = Σ w·τ · SPS(B) the schedule gives
+        every request ℓ = 0, so the round is a plain one (no proposal, no p_d rows: it costs
+        what an AR step costs). Other policies: any n-gram draft exists. Reads only past
+        tokens and calibrations (a constant stopping time, budget.py)."""
+        firsts = [(w, c1) for (toks, _), w, c1 in zip(rnd.ngrams, rnd.weights, rnd.ngram_c1) if toks]
+        if not firsts or self.policy not in ("dspark", "dspark-sla"):
+            return bool(firsts)
+        sla = self.policy == "dspark-sla"
+        W = math.fsum(rnd.weights) if sla else float(len(rnd.weights))
+        best = max(w * c1 if sla else c1 for w, c1 in firsts)
+        B = len(rnd.weights)
+        sps = rnd.table.sps
+        return (W + best) * sps(B + 1, rnd.context_len) > W * sps(B, rnd.context_len)
 
     def _round(self, seqs: list[SequenceState], sampling: SamplingBatch,
                ngrams: list[tuple[list[int], int]] | None = None) -> "_Round":

@@ -229,6 +229,38 @@ def test_a_draft_that_cannot_pay_for_itself_is_not_drafted(target_fp32, tokenize
     assert (len(calls) > 10) if drafts else calls == [], calls
 
 
+@pytest.mark.parametrize("policy", ["dspark", "dspark-sla", "fixed"])
+def test_a_round_is_plain_exactly_when_the_budget_would_verify_no_ngram_draft(policy):
+    """hybrid without a DSpark draft this round (Speculator._ngram_admitted): the round proposes
+    nothing — a plain step, no p_d rows — exactly when the schedule over its n-gram drafts would
+    give every request ℓ = 0 (Alg. 1's first comparison); ``fixed`` verifies any n-gram draft.
+    Random rounds: 1–8 requests, SLA weights, n-gram drafts with c_1 in [0, 1], round times
+    whose extra row costs 2–40 % of a step."""
+    from types import SimpleNamespace
+
+    from runtime.speculation.budget import schedule
+    from runtime.speculation.sps import SpsTable
+
+    rng = random.Random(policy)
+    outcomes = []
+    for trial in range(400):
+        n = rng.randint(1, 8)
+        step, row = 0.006, 0.006 * rng.uniform(0.02, 0.4)
+        rows = list(range(1, 41))
+        table = SpsTable(rows, [1024], [[1.0 / (step + row * (b - 1)) for b in rows]])
+        ngrams = [([7] * rng.randint(1, 4), rng.randint(1, 5)) if rng.random() < 0.6 else ([], 0) for _ in range(n)]
+        c1 = [rng.random() if toks else 0.0 for toks, _ in ngrams]
+        weights = [rng.choice([1.0, 1.0, 1.7, 3.0]) for _ in range(n)]
+        rnd = sp_mod._Round(sampling=None, weights=weights, context_len=300.0, table=table, ngrams=ngrams,
+                            ngram_c1=c1)
+        conf = [[c] + [0.9] * (len(toks) - 1) if toks else [] for (toks, _), c in zip(ngrams, c1)]
+        plan = schedule(policy, conf, table, weights=weights, context_len=300.0)
+        admitted = sp_mod.Speculator._ngram_admitted(SimpleNamespace(policy=policy), rnd)
+        assert admitted == any(plan.lengths), (trial, ngrams, c1, weights, plan.lengths)
+        outcomes.append(admitted)
+    assert outcomes.count(True) > 20 and outcomes.count(False) > 20  # both answers occur
+
+
 def test_a_request_that_dspark_cannot_pay_for_gets_no_drafter_context(target_fp32, tokenizer):
     """hybrid at admission: beside a batch where even the engine's prior acceptance cannot pay
     for a drafted row, the new request gets no drafter context (its prompt's is never computed);

@@ -215,9 +215,14 @@ def admin_get(live, path: str, **params) -> dict:
     return r.json()
 
 
+def count_request(user: str | None, max_tokens: int, **extra) -> dict:
+    """The T = 0 chat request the admin pages are filled with (``extra``: more body fields)."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
+            "temperature": 0, "max_tokens": max_tokens, **({"user": user} if user else {}), **extra}
+
+
 def complete(live, user: str | None, max_tokens: int = 12, key: str | None = None) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
-            "temperature": 0, "max_tokens": max_tokens, **({"user": user} if user else {})}
+    body = count_request(user, max_tokens)
     r = httpx.post(live.base_url + "/v1/chat/completions", json=body, headers=live.headers(key), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -226,8 +231,7 @@ def complete(live, user: str | None, max_tokens: int = 12, key: str | None = Non
 def stream_until(live, user: str, leave: threading.Event, max_tokens: int) -> None:
     """Stream an ``ignore_eos`` T = 0 completion of up to ``max_tokens`` tokens and disconnect
     once ``leave`` is set (the server then aborts the request)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty in words."}],
-            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "user": user}
+    body = count_request(user, max_tokens, ignore_eos=True, stream=True)
     with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=body, headers=live.headers(),
                       timeout=300) as r:
         assert r.status_code == 200, r.read()

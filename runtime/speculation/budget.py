@@ -121,6 +121,7 @@ __all__ = [
     "schedule_threshold",
     "schedule_dspark",
     "schedule_dspark_sla",
+    "greedy_lengths",
 ]
 
 POLICIES: tuple[str, ...] = ("fixed", "mtp1", "threshold", "dspark", "dspark-sla")
@@ -322,13 +323,15 @@ def schedule_threshold(
     return _finish("threshold", rows, lengths, w, _sps_fn(sps, context_len))
 
 
-def _greedy(
+def greedy_lengths(
     rows: list[list[float]],
     w: list[float],
     sps_fn: Callable[[int], float],
-    max_budget: int | None,
+    max_budget: int | None = None,
 ) -> list[int]:
-    """Alg. 1 with weights, as a lazy k-way merge (see module docstring)."""
+    """Alg. 1 with weights, as a lazy k-way merge (see module docstring): ℓ_r per request from
+    its survival rows c_{r,1..γ_r} (validated floats in [0, 1]), weights w_r, ``sps_fn(B)`` in
+    rounds per second and an optional cap on B."""
     n = len(rows)
     lengths = [0] * n
     if n == 0:
@@ -365,7 +368,7 @@ def _dspark(policy, confidences, sps, weights, context_len, max_budget) -> Sched
     fn = _sps_fn(sps, context_len)
     if fn is None:
         raise ValueError(f"policy {policy!r} needs an SPS table")
-    return _finish(policy, rows, _greedy(rows, w, fn, max_budget), w, fn)
+    return _finish(policy, rows, greedy_lengths(rows, w, fn, max_budget), w, fn)
 
 
 def schedule_dspark(

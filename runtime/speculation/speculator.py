@@ -44,7 +44,7 @@ from runtime.engine.sequence import SequenceState
 from runtime.models.llama import LlamaModel
 from runtime.speculation.acceptance import AcceptanceTracker
 from runtime.speculation.live_cost import LiveRoundCost
-from runtime.speculation.budget import schedule
+from runtime.speculation.budget import greedy_lengths, schedule
 from runtime.speculation.prompt_lookup import NgramIndex, ngram_survival, one_hot_probs
 from runtime.speculation.sla import sla_weight
 from runtime.speculation.sps import SpsTable, fallback_table
@@ -340,21 +340,18 @@ class Speculator:
 
     def _ngram_admitted(self, rnd: "_Round") -> bool:
         """Whether the verification budget would verify any n-gram draft of a round without
-        DSpark drafts. ``dspark`` / ``dspark-sla``: Alg. 1's first comparison
-        (:func:`runtime.speculation.budget._greedy`, the same arithmetic) on the best first
-        n-gram token w_r·c_{r,1}: when it does not raise Θ = Σ w·τ · SPS(B) the schedule gives
-        every request ℓ = 0, so the round is a plain one (no proposal, no p_d rows: it costs
-        what an AR step costs). Other policies: any n-gram draft exists. Reads only past
-        tokens and calibrations (a constant stopping time, budget.py)."""
-        firsts = [(w, c1) for (toks, _), w, c1 in zip(rnd.ngrams, rnd.weights, rnd.ngram_c1) if toks]
-        if not firsts or self.policy not in ("dspark", "dspark-sla"):
-            return bool(firsts)
-        sla = self.policy == "dspark-sla"
-        W = math.fsum(rnd.weights) if sla else float(len(rnd.weights))
-        best = max(w * c1 if sla else c1 for w, c1 in firsts)
-        B = len(rnd.weights)
-        sps = rnd.table.sps
-        return (W + best) * sps(B + 1, rnd.context_len) > W * sps(B, rnd.context_len)
+        DSpark drafts. ``dspark`` / ``dspark-sla``: Alg. 1 itself
+        (:func:`runtime.speculation.budget.greedy_lengths`) on each request's first n-gram token
+        alone — ℓ_r ≥ 1 exactly when that token is admitted, and the greedy looks at a later
+        token only after admitting its first — so when it admits none the schedule gives every
+        request ℓ = 0 and the round is a plain one (no proposal, no p_d rows: it costs what an
+        AR step costs). Other policies: any n-gram draft exists. Reads only past tokens and
+        calibrations (a constant stopping time, budget.py)."""
+        firsts = [[c1] if toks else [] for (toks, _), c1 in zip(rnd.ngrams, rnd.ngram_c1)]
+        if not any(firsts) or self.policy not in ("dspark", "dspark-sla"):
+            return any(firsts)
+        weights = rnd.weights if self.policy == "dspark-sla" else [1.0] * len(firsts)  # dspark: unweighted
+        return any(greedy_lengths(firsts, weights, lambda B: float(rnd.table.sps(B, rnd.context_len))))
 
     def _round(self, seqs: list[SequenceState], sampling: SamplingBatch,
                ngrams: list[tuple[list[int], int]] | None = None) -> "_Round":

@@ -208,11 +208,11 @@ def test_early_stop_never_reads_past_a_rejected_candidate():
     sps = {1: 1.0, 2: 0.5, 3: 0.45}.__getitem__
     rows = sch._rows([[0.8, 0.9]])
     rows[0] = Tripwire(rows[0], readable=1)  # c_2 must never be read: Θ1 ≤ Θ0
-    assert sch._greedy(rows, [1.0], sps, None) == [0]
+    assert sch.greedy_lengths(rows, [1.0], sps, None) == [0]
     sps2 = {1: 1.0, 2: 0.6, 3: 0.45}.__getitem__
     rows[0] = Tripwire([0.8, 0.9], readable=1)
     with pytest.raises(AssertionError, match="before x_1"):
-        sch._greedy(rows, [1.0], sps2, None)  # x_1 admitted → c_2 legitimately read
+        sch.greedy_lengths(rows, [1.0], sps2, None)  # x_1 admitted → c_2 legitimately read
 
 
 # --------------------------------------------------------------- (b) optimality

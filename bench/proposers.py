@@ -8,7 +8,8 @@ machine hit all of them alike. Per request: decode tok/s = (completion tokens �
 token − first token) (``runtime.interface.decode_tokens_per_s``'s definition); per task and
 configuration the median over requests and its ratio to plain decoding on the same prompts.
 
-Configurations (``--configs``; ``METHOD[:POLICY][+gate]``):
+Configurations (``--configs``; ``METHOD[:POLICY][+gate][+ref]``, ``+ref``: the reference full-vocabulary
+drafter):
 
 * ``none`` — plain decoding (the baseline).
 * ``prompt_lookup:fixed``, ``dspark:fixed``, ``hybrid:fixed`` — every draft verified: a₁ and τ
@@ -49,12 +50,19 @@ DEFAULT_CONFIGS = ("none", "prompt_lookup:fixed", "dspark:fixed", "hybrid:fixed"
 
 
 def engine_config(name: str, dtype: str, gamma: int, batch: int = 1) -> EngineConfig:
-    """``METHOD[:POLICY][+gate]`` → an engine config (prefix cache off: every prompt is new)."""
-    gate = name.endswith("+gate")
-    method, _, policy = name.removesuffix("+gate").partition(":")
-    return EngineConfig(dtype=dtype, spec_method=method, spec_policy=policy or "dspark-sla", spec_gate=gate,
-                        num_speculative_tokens=gamma, max_batch_size=batch, request_timeout_s=3600.0,
-                        prefix_cache_blocks=0, profile_on_start=method != "none")
+    """``METHOD[:POLICY][+gate][+ref]`` → an engine config (prefix cache off: every prompt is new).
+    ``+gate``: the speculation gate on; ``+ref``: the reference full-vocabulary drafter
+    (``draft_fused=False``) instead of the draft-vocabulary one.
+
+    Raises:
+        ValueError: an unknown ``+`` flag."""
+    head, *flags = name.split("+")
+    if set(flags) - {"gate", "ref"}:
+        raise ValueError(f"unknown flag in {name!r}: only +gate and +ref")
+    method, _, policy = head.partition(":")
+    return EngineConfig(dtype=dtype, spec_method=method, spec_policy=policy or "dspark-sla", spec_gate="gate" in flags,
+                        draft_fused="ref" not in flags, num_speculative_tokens=gamma, max_batch_size=batch,
+                        request_timeout_s=3600.0, prefix_cache_blocks=0, profile_on_start=method != "none")
 
 
 class Runner:

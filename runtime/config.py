@@ -71,9 +71,11 @@ class EngineConfig:
             ``dspark`` and ``hybrid``, ``checkpoints/parallel`` for ``parallel``); a missing or
             mismatched checkpoint is a start-up error naming this setting, never a random init.
         num_speculative_tokens: block size γ used when serving (≤ the checkpoint's γ).
-        draft_fused: draft with :class:`runtime.speculation.fast_drafter.FastDrafter` (fused C++
-            backbone, draft vocabulary) where the target is on the fused ``gguf`` path;
-            ``False`` → always the reference torch drafter (A/B benchmarks).
+        draft_fused: draft over the checkpoint's draft vocabulary: with
+            :class:`runtime.speculation.fast_drafter.FastDrafter` (fused C++ backbone) where the
+            target is on the fused ``gguf`` path, else on the CPU with
+            :class:`runtime.speculation.vocab_drafter.VocabDrafter` (torch backbone);
+            ``False`` → always the reference full-vocabulary drafter (A/B benchmarks).
         seed: seed for random drafter init / engine-level randomness.
         sps_table_path: JSON SPS table (``runtime.speculation.sps.SpsTable.save``) to use as
             is for the ``dspark`` policies — no cache lookup, no profiling (e.g. the

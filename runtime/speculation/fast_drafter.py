@@ -191,6 +191,8 @@ class FastDrafter:
         RuntimeError: the target is not on the fused gguf path.
     """
 
+    kind = "fused"  # the SPS profile's drafter id (sps_profiler.drafter_id)
+
     def __init__(self, drafter: DSparkDrafter, draft_vocab: torch.Tensor | None = None) -> None:
         target = drafter.target
         if not available(drafter):
@@ -217,9 +219,7 @@ class FastDrafter:
         self.head = GgufLinear(head_blocks, target.lm_head_quant.qtype, self.vocab.numel(), target.cfg.hidden_size,
                                dense=target.lm_head_weight[self.vocab].contiguous(), out_dtype=torch.float32,
                                max_rows=kernel_max_rows())
-        mk = drafter.markov
-        if mk is not None:
-            self.w2_sub_t = mk.w2.weight.detach()[self.vocab].t().contiguous()  # fp32 [r, N]
+        self.w2_sub_t = markov_columns(drafter, self.vocab)  # fp32 [r, N] (None: rank 0)
 
     # -- context --------------------------------------------------------------
     @torch.inference_mode()
@@ -277,33 +277,59 @@ class FastDrafter:
         return self._sample(base, hidden.view(B, gamma, dim), anchors.long(), sampling)
 
     def _sample(self, base, hidden, anchors, sampling: SamplingBatch) -> FastDraft:
-        """x_k ~ warp(U_k + B(x_{k−1})) left to right over the draft vocabulary (paper §3.1)."""
-        d = self.drafter
-        B, gamma, N = base.shape
-        mk = d.markov
-        tokens = torch.empty(B, gamma, dtype=torch.long)
-        probs = None if sampling.greedy else torch.empty(B, gamma, N, dtype=torch.float32)
-        prev = anchors
-        embs = []
-        for k in range(gamma):
-            logits = base[:, k]
-            if mk is not None:
-                e = mk.prev_embedding(prev)  # W1[x_{k−1}], fp32 [B, r]
-                embs.append(e)
-                if mk.gate is not None:
-                    e = torch.sigmoid(mk.gate(torch.cat([hidden[:, k].float(), e], -1))) * e
-                logits = torch.addmm(logits, e, self.w2_sub_t)  # U_k + W1[x_{k−1}]·W2
-            if sampling.greedy:
-                idx = logits.argmax(-1)
-            else:
-                probs[:, k] = warp_probs(logits, *sampling.tensors)
-                idx = sampling.sample_rows(probs[:, k], offset=k, token_ids=self.vocab)
-            prev = self.vocab[idx]
-            tokens[:, k] = prev
-        emb = torch.stack(embs, dim=1) if mk is not None else None  # W1[x_0..x_{γ−1}]
-        conf_logits = d.confidence(hidden, emb)
-        return FastDraft(tokens, sampling.temperature <= 0, self.vocab, probs,
-                         calibrated_confidence(conf_logits, d.sts_tensor()), conf_logits, self.vocab_size)
+        return sample_over_vocab(self.drafter, self.vocab, self.w2_sub_t, base, hidden, anchors, sampling)
+
+
+def markov_columns(drafter: DSparkDrafter, vocab: torch.Tensor) -> torch.Tensor | None:
+    """W2's columns of the draft vocabulary, transposed: fp32 ``[r, N]`` (``None``: rank 0)."""
+    mk = drafter.markov
+    return None if mk is None else mk.w2.weight.detach()[vocab].t().contiguous()
+
+
+def sample_over_vocab(drafter: DSparkDrafter, vocab: torch.Tensor, w2_sub_t: torch.Tensor | None, base: torch.Tensor,
+                      hidden: torch.Tensor, anchors: torch.Tensor, sampling: SamplingBatch) -> FastDraft:
+    """x_k ~ warp(U_k + W1[x_{k−1}]·W2) left to right over the draft vocabulary (paper §3.1;
+    the module docstring's items 2–3). Shared by :class:`FastDrafter` and
+    :class:`runtime.speculation.vocab_drafter.VocabDrafter`.
+
+    Args:
+        drafter: the reference drafter (its Markov and confidence heads, STS temperatures).
+        vocab: int64 ``[N]`` draft-vocabulary token ids.
+        w2_sub_t: :func:`markov_columns` of ``vocab`` (``None`` for rank 0).
+        base: U over the draft vocabulary, fp32 ``[B, γ, N]``.
+        hidden: backbone hidden ``[B, γ, d]`` (drafter dtype).
+        anchors: int64 ``[B]`` x_0.
+        sampling: B rows of sampling parameters (one draw per sampled slot).
+
+    Returns:
+        :class:`FastDraft`.
+    """
+    B, gamma, N = base.shape
+    mk = drafter.markov
+    tokens = torch.empty(B, gamma, dtype=torch.long)
+    probs = None if sampling.greedy else torch.empty(B, gamma, N, dtype=torch.float32)
+    prev = anchors
+    embs = []
+    for k in range(gamma):
+        logits = base[:, k]
+        if mk is not None:
+            e = mk.prev_embedding(prev)  # W1[x_{k−1}], fp32 [B, r]
+            embs.append(e)
+            if mk.gate is not None:
+                e = torch.sigmoid(mk.gate(torch.cat([hidden[:, k].float(), e], -1))) * e
+            logits = torch.addmm(logits, e, w2_sub_t)  # U_k + W1[x_{k−1}]·W2
+        if sampling.greedy:
+            idx = logits.argmax(-1)
+        else:
+            probs[:, k] = warp_probs(logits, *sampling.tensors)
+            idx = sampling.sample_rows(probs[:, k], offset=k, token_ids=vocab)
+        prev = vocab[idx]
+        tokens[:, k] = prev
+    emb = torch.stack(embs, dim=1) if mk is not None else None  # W1[x_0..x_{γ−1}]
+    conf_logits = drafter.confidence(hidden, emb)
+    return FastDraft(tokens, sampling.temperature <= 0, vocab, probs,
+                     calibrated_confidence(conf_logits, drafter.sts_tensor()), conf_logits,
+                     drafter.target.cfg.vocab_size)
 
 
 def available(drafter: DSparkDrafter) -> bool:
@@ -320,4 +346,4 @@ def available(drafter: DSparkDrafter) -> bool:
 
 
 __all__ = ["FastDrafter", "FastDraft", "build_draft_vocab", "quantize_q8_0", "q8_linear", "load_draft_vocab", "available",
-           "DRAFT_VOCAB_FILE"]
+           "markov_columns", "sample_over_vocab", "DRAFT_VOCAB_FILE"]

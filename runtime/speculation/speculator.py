@@ -167,10 +167,15 @@ class Speculator:
             self.dcache = self.drafter.new_context_cache(num_slots, max_len)
             if config.draft_fused:
                 from runtime.speculation import fast_drafter
+                from runtime.speculation.vocab_drafter import VocabDrafter
 
+                vocab = fast_drafter.load_draft_vocab(path, self.vocab_size)
                 if fast_drafter.available(self.drafter):
-                    self.fast = fast_drafter.FastDrafter(
-                        self.drafter, fast_drafter.load_draft_vocab(path, self.vocab_size))
+                    self.fast = fast_drafter.FastDrafter(self.drafter, vocab)
+                elif vocab is not None and self.drafter.fc.weight.device.type == "cpu":
+                    # off the fused path (fp32 on AVX2, bf16, int8): the draft vocabulary on the
+                    # torch backbone (vocab_drafter.py; CUDA keeps the reference + Triton sampler)
+                    self.fast = VocabDrafter(self.drafter, vocab)
             self.gamma = min(config.num_speculative_tokens, self.drafter.block_size)
         else:
             self.gamma = config.num_speculative_tokens
@@ -544,9 +549,11 @@ class Speculator:
                 self._ngram_counts[s.slot] = (hits + (acc > 0), expected + c1)
 
     def draft(self, anchors: torch.Tensor, slots: Sequence[int], sampling: SamplingBatch):
-        """γ draft tokens per sequence with confidences: the fused CPU drafter
-        (:class:`runtime.speculation.fast_drafter.FastDrafter`) where it runs, else the reference
-        :class:`~runtime.speculation.drafter.DSparkDrafter`. Returns an object with ``tokens``
+        """γ draft tokens per sequence with confidences: over the draft vocabulary — the fused CPU
+        drafter (:class:`runtime.speculation.fast_drafter.FastDrafter`) where it runs, else on the
+        torch backbone (:class:`runtime.speculation.vocab_drafter.VocabDrafter`, CPU) — or the
+        reference :class:`~runtime.speculation.drafter.DSparkDrafter` (no draft vocabulary, CUDA,
+        ``draft_fused`` off). Returns an object with ``tokens``
         int64 ``[B, γ]``, ``confidence`` fp32 ``[B, γ]`` and ``dense_probs(lengths)``."""
         if self.fast is not None:
             return self.fast.draft(anchors, slots, self.dcache, self.gamma, sampling)

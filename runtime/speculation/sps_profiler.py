@@ -259,7 +259,8 @@ def drafter_id(speculator: "Speculator") -> str:
     c = d.cfg
     taps = ",".join(str(t) for t in c.target_layer_ids)
     fast = speculator.fast
-    path = "" if fast is None else f":fused:N{fast.vocab.numel()}"  # the fused drafter costs less per round
+    # the draft-vocabulary drafters cost less per round than the reference
+    path = "" if fast is None else f":{fast.kind}:N{fast.vocab.numel()}"
     return f"{speculator.method}:L{c.num_layers}:r{c.markov_rank}:{c.markov_variant}:bs{c.block_size}:taps{taps}{path}"
 
 

@@ -274,10 +274,7 @@ class FastDrafter:
                                torch.tensor(pos, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
         hidden = d.norm(x).to(d.dtype)  # [B·γ, d]
         base = self.head(hidden).view(B, gamma, self.vocab.numel())  # U over the draft vocabulary, fp32
-        return self._sample(base, hidden.view(B, gamma, dim), anchors.long(), sampling)
-
-    def _sample(self, base, hidden, anchors, sampling: SamplingBatch) -> FastDraft:
-        return sample_over_vocab(self.drafter, self.vocab, self.w2_sub_t, base, hidden, anchors, sampling)
+        return sample_over_vocab(d, self.vocab, self.w2_sub_t, base, hidden.view(B, gamma, dim), anchors.long(), sampling)
 
 
 def markov_columns(drafter: DSparkDrafter, vocab: torch.Tensor) -> torch.Tensor | None:

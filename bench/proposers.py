@@ -16,7 +16,9 @@ drafter):
   of the proposer itself (τ = emitted tokens per round, bonus included; a₁ = accepted first
   drafts / rounds that verified a draft).
 * ``dspark:dspark-sla+gate``, ``hybrid:dspark-sla+gate`` — as served: the budget (Alg. 1 on
-  the SPS table) and the speculation gate.
+  the SPS table) and ``spec_gate`` on — for ``dspark`` the budget's pre-draft choice of the
+  requests worth drafting (``hybrid`` makes it with the flag or without), for the others the
+  speculation gate.
 
 Temperature 0 (``--temperature``), ``--max-tokens`` (128) tokens with EOS allowed, the served
 dtype. At T = 0 every configuration's text must equal plain decoding's (checked, reported as
@@ -51,7 +53,8 @@ DEFAULT_CONFIGS = ("none", "prompt_lookup:fixed", "dspark:fixed", "hybrid:fixed"
 
 def engine_config(name: str, dtype: str, gamma: int, batch: int = 1) -> EngineConfig:
     """``METHOD[:POLICY][+gate][+ref]`` → an engine config (prefix cache off: every prompt is new).
-    ``+gate``: the speculation gate on; ``+ref``: the reference full-vocabulary drafter
+    ``+gate``: ``spec_gate`` on (``dspark``: the budget decides before drafting; ``parallel``,
+    ``prompt_lookup``: the speculation gate); ``+ref``: the reference full-vocabulary drafter
     (``draft_fused=False``) instead of the draft-vocabulary one.
 
     Raises:

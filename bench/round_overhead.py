@@ -8,13 +8,12 @@ timed; the figure is the ratio of the medians over ``--rounds`` (≥ 200) steps 
 
 The speculative engine's rounds are forced to ℓ = 0 the way the engine reaches it in service:
 
-* ``dspark``: the speculation gate decides "plain" (no drafting; the target's taps for the
-  drafter's context are queued, lazy commit, and committed by the next drafting step);
-* ``hybrid``: the gate decides "plain" and no n-gram continuation exists (the proposer runs
-  its lookup, finds nothing, the round verifies only the anchors).
-
-Every ``--flush-every`` rounds (default 16, the gate's probe period) the speculative engine's
-queued context is committed, as the probe step would, and that cost is included.
+* ``dspark`` and ``hybrid``: the budget's pre-draft choice (``Speculator._worth_drafting``)
+  runs and drafts nobody — every request's expected yield of a draft is pinned to 0 accepted
+  tokens — so no drafting; ``hybrid`` also runs its n-gram lookup, which finds nothing (the round
+  verifies only the anchors). The target's taps for the drafter's context are queued (lazy
+  commit) and, for ``dspark``, committed at 64 queued positions as in service;
+* ``prompt_lookup``: its speculation gate decides "plain".
 Prints one JSON document.
 
     .venv/bin/python bench/round_overhead.py [--rounds 240] [--batch 1] [--method dspark] [--temperature 0]
@@ -53,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=240)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--method", default="dspark", choices=["dspark", "hybrid", "prompt_lookup"])
-    ap.add_argument("--flush-every", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     args = ap.parse_args(argv)
@@ -63,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     plain = LLMEngine(EngineConfig(**common), lambda rid, ev: None)
     spec = LLMEngine(EngineConfig(**common, spec_method=args.method, spec_gate=True), lambda rid, ev: None,
                      model=plain.model, tokenizer=plain.tokenizer)
-    spec.gate = PlainGate()
     sp = spec.speculator
+    if args.method == "prompt_lookup":
+        spec.gate = PlainGate()
+    else:
+        assert spec.gate is None and sp.decides_drafting
+        sp._draft_yield = lambda seq: (0.0, 1.0)  # no DSpark draft can pay: the budget drafts nobody
     if args.method == "hybrid":
         sp._ngram = lambda seq: ([], 0)  # no continuation found: the round verifies the anchors only
     tok = plain.tokenizer
@@ -85,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, eng in (("plain", plain), ("spec", spec)) if k % 2 == 0 else (("spec", spec), ("plain", plain)):
             t = time.perf_counter()
             eng.step()
-            if name == "spec" and args.flush_every and (k + 1) % args.flush_every == 0:
-                sp.flush([s.slot for s in eng.scheduler.running])
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     assert spec.spec_steps == 0, "a forced-plain round drafted"

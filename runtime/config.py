@@ -91,12 +91,14 @@ class EngineConfig:
             ≈ 360 MiB in fp32 (180 MiB in bf16) of target KV at most, plus the drafter's
             context K/V when speculating; pages are committed as blocks are filled.
         prefix_block_size: tokens per prefix-cache block (reuse is block-granular).
-        spec_gate: when speculating, decide per step — before drafting, from measured
-            speed of past steps — whether to speculate or run a plain AR step
-            (:class:`runtime.speculation.gate.SpecGate`; lossless). ``False`` → every step
-            with decoding sequences drafts (the behaviour before the gate). Ignored
-            when ``spec_method`` is ``"none"`` or ``"hybrid"`` (which decides per request,
-            inside its verification budget, whether a draft pays).
+        spec_gate: when speculating, decide before drafting — from past steps only — whether
+            to draft (lossless). ``dspark``: per request, inside the verification budget
+            (``Speculator._worth_drafting``: the budget's ℓ = 0 case on the request's measured
+            yield of a draft so far, the SPS table and the measured drafting cost);
+            ``parallel``/``prompt_lookup``: per step, by measured speed
+            (:class:`runtime.speculation.gate.SpecGate`). ``False`` → every step with
+            decoding sequences drafts (the behaviour before the gate). Ignored when
+            ``spec_method`` is ``"none"`` or ``"hybrid"`` (which always decides per request).
     """
 
     dtype: str = "auto"

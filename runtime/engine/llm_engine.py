@@ -7,8 +7,10 @@ worker thread so the HTTP event loop never blocks.
 One step = ONE target forward (counted in :attr:`LLMEngine.forward_steps`) over
 every decoding sequence's anchor token (plus verified draft tokens when
 speculating) and the prefill chunks the batch scheduler picked. With a speculator,
-the speculation gate (:mod:`runtime.speculation.gate`, ``EngineConfig.spec_gate``) decides
-before drafting whether a step speculates or decodes plainly (every ℓ_r = 0).
+``dspark`` and ``hybrid`` decide before drafting, per request, whether a draft pays (the
+verification budget's ℓ = 0 case, ``Speculator._worth_drafting``); for ``parallel`` and
+``prompt_lookup`` the speculation gate (:mod:`runtime.speculation.gate`,
+``EngineConfig.spec_gate``) decides per step whether to speculate or decode plainly (every ℓ_r = 0).
 
 Logprobs (requests with ``SamplingParams.logprobs`` set) come from the same
 forward: the raw target logits of the row that produced each emitted token
@@ -152,8 +154,9 @@ class LLMEngine:
                 sps_profiler.ensure_profiled(config, self.model, self.speculator,
                                              lambda t: sps_profiler.make_round_fn(self.model, self.speculator, self.cache, t))
         # Speculate or decode plainly, per step, by measured speed (runtime/speculation/gate.py).
-        # hybrid decides drafting per request inside its budget (Speculator._worth_drafting): no gate.
-        self.gate = SpecGate() if (self.speculator is not None and config.spec_gate and not self.speculator.free_drafts) else None
+        # hybrid and dspark decide drafting per request inside their budget (Speculator._worth_drafting): no gate.
+        self.gate = (SpecGate() if self.speculator is not None and config.spec_gate and not self.speculator.decides_drafting
+                     else None)
         self.forward_steps = 0
         self.decode_steps = 0  # forwards with ≥ 1 decoding sequence (verification rounds)
         self.verify_tokens = 0  # Σ per round of B = Σ_r (1 + ℓ_r): anchors + verified drafts

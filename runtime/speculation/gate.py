@@ -1,5 +1,10 @@
 """Speculation gate: per engine step, speculate or decode plainly — decided by measurement.
 
+Used for ``parallel`` and ``prompt_lookup`` (``EngineConfig.spec_gate``). ``dspark`` and
+``hybrid`` make this decision inside their verification budget instead, per request
+(``Speculator._worth_drafting``: the budget's ℓ = 0 case on each request's measured yield
+of a draft, issue 28 item 3), and run no gate.
+
 Why
 ---
 The verification-budget scheduler (:mod:`runtime.speculation.budget`, paper Alg. 1) picks

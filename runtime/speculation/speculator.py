@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 LAZY_COMMIT_MAX = 64
 #: n-gram sizes the hybrid proposer tries (longest first); its calibration has a row per n
 HYBRID_MAX_NGRAM = 5
-#: pseudo-rounds of the drafter's prior first-position acceptance in a request's estimate
+#: pseudo-rounds of the drafter's prior in a request's estimates (first-position acceptance, yield of a draft)
 A1_PRIOR_WEIGHT = 4
 #: pseudo-rounds at the calibrated rate in a request's n-gram acceptance scale (hybrid)
 NGRAM_PRIOR_WEIGHT = 2.0
@@ -65,6 +65,12 @@ NGRAM_PRIOR_WEIGHT = 2.0
 DRAFTER_A1_PRIOR = 0.4
 #: weight of a new measurement in the moving average of drafting seconds per request
 DRAFT_COST_ALPHA = 0.1
+#: what a DSpark-drafted round yields before a request has drafted rounds of its own, per sampling
+#: mode (greedy?): (accepted drafts, verified drafts) per drafted round under the budget. Measured with
+#: the committed drafter at c = 1, every round drafted (``bench/proposers.py --configs none
+#: dspark:dspark-sla``, mt-bench/gsm8k/humaneval first turns, 2026-12-07, EPYC AVX512-BF16):
+#: T = 0 τ 1.429 with 39.7 % of verified drafts accepted, T = 1 τ 1.368 with 30.1 %.
+DRAFT_YIELD_PRIOR = {True: (0.43, 1.08), False: (0.37, 1.22)}
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "default"
 #: the rank-0 (parallel-only) ablation, trained beside the default on the same data and budget
 PARALLEL_CHECKPOINT = DEFAULT_CHECKPOINT.parent / "parallel"
@@ -105,7 +111,7 @@ class _Round:
 
     Attributes:
         sampling: the decoding rows' sampling parameters.
-        weights: SLA weight w_r per request (sla.py).
+        weights: SLA weight w_r per request (sla.py; 1 for every request outside ``dspark-sla``).
         context_len: mean cached tokens per request (the SPS table's context axis).
         table: the SPS table for this round's sampling mode.
         ngrams: per request, (n-gram draft, match length n); empty drafts outside ``hybrid``.
@@ -182,6 +188,7 @@ class Speculator:
         # The parallel-only ablation and prompt lookup have no calibrated confidence
         # worth scheduling on: they verify their whole block.
         self.policy = config.spec_policy if self.method in ("dspark", "hybrid") else "fixed"
+        self.predraft = bool(config.spec_gate)  # dspark: the budget decides before drafting (decides_drafting)
         self.sps_table = sps_table if sps_table is not None else fallback_table()
         #: the SPS table of all-greedy batches (a verified row costs less without warping); None: ``sps_table``
         self.sps_table_greedy: SpsTable | None = None
@@ -198,6 +205,8 @@ class Speculator:
         self._queued: dict[int, int] = {}  # slot -> positions in _pending
         self._ngram_index: dict[int, NgramIndex] = {}
         self._a1_counts: dict[int, tuple[int, int]] = {}  # slot -> (rounds with x_1 accepted, drafted rounds)
+        #: slot -> (DSpark-drafted rounds, drafts accepted, drafts verified) in them
+        self._yield_counts: dict[int, tuple[int, int, int]] = {}
         self._ngram_counts: dict[int, tuple[float, float]] = {}  # slot -> (n-gram x_1 accepted, Σ calibrated c_1)
         #: hybrid: slots whose drafter context was abandoned (n-gram drafts only until they are freed)
         self._no_context: set[int] = set()
@@ -240,6 +249,16 @@ class Speculator:
         return self.method == "hybrid"
 
     @property
+    def decides_drafting(self) -> bool:
+        """Whether the speculator decides per request, before drafting, whether a DSpark draft
+        pays (:meth:`_worth_drafting`, the verification budget's ℓ = 0 case): ``hybrid``
+        always, ``dspark`` when ``spec_gate`` is on. The engine then runs no speculation gate
+        (issue 28 item 3: the gate is the budget's ℓ = 0 case, not a second, timing-driven
+        decision); ``parallel`` and ``prompt_lookup`` have no calibrated acceptance to decide
+        on and keep :class:`~runtime.speculation.gate.SpecGate`."""
+        return self.method == "hybrid" or (self.method == "dspark" and self.predraft)
+
+    @property
     def context_optional(self) -> bool:
         """``hybrid`` serves a request without drafter context (n-gram drafts only), so the
         prefix cache may hold target blocks whose drafter context was never computed
@@ -248,17 +267,17 @@ class Speculator:
 
     def _context_pays(self, seq: SequenceState, batch: int) -> bool:
         """Whether the budget could draft ``seq`` with DSpark beside ``batch`` other decoding
-        requests: :meth:`_worth_drafting`'s test for one request of weight 1 with the engine's
-        prior first-position acceptance (0.4 × its recent realised ratio) — what it will be
-        judged on until it has DSpark rounds of its own. Requests with an SLA target keep
+        requests: :meth:`_worth_drafting`'s test for one request of weight 1 with the prior
+        yield of a drafted round (:data:`DRAFT_YIELD_PRIOR`) — what it will be judged on until
+        it has DSpark rounds of its own. Requests with an SLA target keep
         their context (their weight may exceed 1). Past rounds only: lossless."""
         if seq.request.sla_target_tokens_per_s is not None:
             return True
         greedy = self._greedy(seq)
         B, ctx = batch + 1, float(seq.num_prompt)
         table = self._table(greedy, "greedy" if greedy else "sampled", B, ctx)
-        v = min(1.0, self.a1_prior * self.learned.factor(("dspark-a1", greedy)))
-        return raises_rate(B, v, table.round_seconds(B, ctx), table.round_seconds(B + 1, ctx) + self.draft_seconds)
+        gain, rows = DRAFT_YIELD_PRIOR[greedy]
+        return raises_rate(B, gain, table.round_seconds(B, ctx), table.round_seconds(B + rows, ctx) + self.draft_seconds)
 
     def has_context(self, slot: int) -> bool:
         """Whether ``slot``'s drafter context is kept (``False``: abandoned, :meth:`commit`)."""
@@ -291,6 +310,7 @@ class Speculator:
         self._queued.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
+        self._yield_counts.pop(slot, None)
         self._ngram_counts.pop(slot, None)
         self._no_context.discard(slot)
         if self.dcache is None:
@@ -331,7 +351,12 @@ class Speculator:
         if self.method != "hybrid":
             if not use_drafter:
                 return None
-            return self._propose_blocks(seqs, self._round(seqs, sampling), list(range(len(seqs))))
+            rnd, drafted = self._round(seqs, sampling), list(range(len(seqs)))
+            if self.decides_drafting:  # dspark: only the requests whose draft is expected to pay
+                drafted = self._worth_drafting(seqs, rnd, drafted)
+                if not drafted:
+                    return None
+            return self._propose_blocks(seqs, rnd, drafted)
         rnd = self._round(seqs, sampling, [self._ngram(s) for s in seqs])
         # Which proposer each sequence uses is decided before anything is drafted, from past
         # tokens and past rounds only (so every ℓ_r stays a stopping time: budget.py).
@@ -355,19 +380,22 @@ class Speculator:
         firsts = [[c1] if toks else [] for (toks, _), c1 in zip(rnd.ngrams, rnd.ngram_c1)]
         if not any(firsts) or self.policy not in ("dspark", "dspark-sla"):
             return any(firsts)
-        weights = rnd.weights if self.policy == "dspark-sla" else [1.0] * len(firsts)  # dspark: unweighted
-        return any(greedy_lengths(firsts, weights, lambda B: float(rnd.table.sps(B, rnd.context_len))))
+        return any(greedy_lengths(firsts, rnd.weights, lambda B: float(rnd.table.sps(B, rnd.context_len))))
 
     def _round(self, seqs: list[SequenceState], sampling: SamplingBatch,
                ngrams: list[tuple[list[int], int]] | None = None) -> "_Round":
-        """What one round's choices share, computed once: SLA weights, mean context, the SPS
-        table for this sampling mode (greedy rounds verify cheaper: sps_profiler.py) and each
-        request's n-gram draft with its calibrated first-position acceptance."""
+        """What one round's choices share, computed once: SLA weights (``dspark-sla``; 1 for
+        every request under the other policies, which ignore tiers in the budget and so in the
+        choice to draft too), mean context, the SPS table for this sampling mode (greedy rounds
+        verify cheaper: sps_profiler.py) and each request's n-gram draft with its calibrated
+        first-position acceptance."""
         ngrams = ngrams if ngrams is not None else [([], 0)] * len(seqs)
         context_len = sum(s.num_cached for s in seqs) / max(len(seqs), 1)
+        weights = ([sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs]
+                   if self.policy == "dspark-sla" else [1.0] * len(seqs))
         return _Round(
             sampling=sampling,
-            weights=[sla_weight(s.request.sla_target_tokens_per_s, s.measured_tokens_per_s()) for s in seqs],
+            weights=weights,
             context_len=context_len,
             table=self._table(sampling.greedy, self.round_mode(sampling), len(seqs), context_len),
             ngrams=ngrams,
@@ -384,14 +412,19 @@ class Speculator:
         """The requests of ``wanted`` whose DSpark draft is expected to pay for itself: the
         verification budget's ℓ = 0 case decided BEFORE drafting (issue 28 item 3).
 
-        Alg. 1's greedy on each request's *estimated* first-position value w_r·â_r (â_r: its
-        DSpark acceptance so far, :meth:`_dspark_a1`) over the round time
-        ``1/SPS(B) + n·d`` (B verified rows, n drafted requests, d the measured drafting
-        seconds per request, :attr:`draft_seconds`): a request is drafted while adding it
-        (one more row, one more draft) raises expected tokens per second; the scan stops at
-        the first that does not. n-gram rows enter with their calibrated c₁ and no drafting
-        cost. Uses only past rounds and past tokens, never this round's drafts: the choice is
-        a constant stopping time of every draft (budget.py, Appendix A)."""
+        Alg. 1's greedy on each request's *estimated* yield of a draft (:meth:`_draft_yield`:
+        ĝ_r drafts accepted over ℓ̂_r verified per drafted round, from its past drafted
+        rounds and the engine's) over the round time ``1/SPS(B) + n·d`` (B verified rows, n
+        drafted requests, d the measured drafting seconds per request, :attr:`draft_seconds`):
+        a request is drafted while adding it (value w_r·ĝ_r, ℓ̂_r more rows, one more draft)
+        raises expected tokens per second; the scan stops at the first that does not. The
+        yield is what drafts returned *after* the budget chose ℓ from their confidences, so it
+        prices a draft as served — a confident block verified long, a doubtful one not at all
+        (its first position alone undervalues it: at c = 1, T = 0 on gguf the prior 0.4 of one
+        row never paid, while drafting every round ran 1.10× AR). n-gram rows enter with their
+        calibrated c₁ and no drafting cost. Uses only past rounds and past tokens, never this
+        round's drafts: the choice is a constant stopping time of every draft (budget.py,
+        Appendix A)."""
         if not wanted:
             return []
         table, ctx, weights = rnd.table, rnd.context_len, rnd.weights
@@ -404,12 +437,14 @@ class Speculator:
                     W, B = W + v, B + 1
         t_round = 1.0 / table.sps(B, ctx)
         chosen = []
-        for v, i in sorted(((weights[i] * self._dspark_a1(seqs[i]), i) for i in wanted), reverse=True):
-            t_next = 1.0 / table.sps(B + 1, ctx) + (len(chosen) + 1) * self.draft_seconds
+        yields = [(weights[i] * gain, rows, i) for i in wanted for gain, rows in [self._draft_yield(seqs[i])]]
+        for v, rows, i in sorted(yields, reverse=True):
+            t_next = 1.0 / table.sps(B + rows, ctx) + (len(chosen) + 1) * self.draft_seconds
             if not raises_rate(W, v, t_round + len(chosen) * self.draft_seconds, t_next):
                 break
             chosen.append(i)
-            W, B, t_round = W + v, B + 1, 1.0 / table.sps(B + 1, ctx)
+            W, B = W + v, B + rows
+            t_round = 1.0 / table.sps(B, ctx)
         return sorted(chosen)
 
     def _propose_blocks(self, seqs, rnd: "_Round", drafted_rows: list[int]) -> Proposal:
@@ -509,6 +544,23 @@ class Speculator:
         hits, rounds = self._a1_counts.get(seq.slot, (0, 0))
         return (hits + A1_PRIOR_WEIGHT * prior) / (rounds + A1_PRIOR_WEIGHT)
 
+    def _draft_yield(self, seq: SequenceState) -> tuple[float, float]:
+        """(ĝ, ℓ̂): drafts accepted and drafts verified per DSpark-drafted round of ``seq`` so
+        far (past rounds only; a round the budget gave ℓ = 0 counts as (0, 0)), shrunk with
+        :data:`A1_PRIOR_WEIGHT` pseudo-rounds towards :data:`DRAFT_YIELD_PRIOR` of its sampling
+        mode. Every request starts from that prior, not from what other requests realised: a
+        pooled estimate dragged down by a few chat requests would stop drafting for the code and
+        maths ones after them, for good (nothing drafted, nothing measured). A request whose own
+        drafts do not pay stops being drafted after a few rounds and is not drafted again."""
+        gain, rows = DRAFT_YIELD_PRIOR[self._greedy(seq)]
+        n, acc, ver = self._yield_counts.get(seq.slot, (0, 0, 0))
+        return (acc + A1_PRIOR_WEIGHT * gain) / (n + A1_PRIOR_WEIGHT), (ver + A1_PRIOR_WEIGHT * rows) / (n + A1_PRIOR_WEIGHT)
+
+    def _record_yield(self, slot: int, accepted: int, verified: int) -> None:
+        """One DSpark-drafted round of ``slot``: ``verified`` drafts verified, ``accepted`` of them accepted."""
+        n, acc, ver = self._yield_counts.get(slot, (0, 0, 0))
+        self._yield_counts[slot] = (n + 1, acc + accepted, ver + verified)
+
     def _ngram_c1(self, seq: SequenceState, n: int) -> float:
         """First-position acceptance of an n-gram draft of match length n: the offline
         calibration, scaled by what the engine's recent n-gram drafts of that length and
@@ -526,16 +578,19 @@ class Speculator:
 
     def record_outcome(self, seqs: list[SequenceState], proposal: "Proposal", accepted: Sequence[int]) -> None:
         """Fold a verified round into the engine's :attr:`learned` factors (every verified draft
-        position: accepted or not, against its offline conditional c_k) and, for ``hybrid``'s
-        choice, each request's record of its proposers: DSpark first-position hits per drafted
-        round, n-gram first-position hits vs the c_1 the budget was given."""
+        position: accepted or not, against its offline conditional c_k), the yield of each
+        DSpark-drafted round (:meth:`_draft_yield`) and, for ``hybrid``'s choice, each request's
+        record of its proposers: DSpark first-position hits per drafted round, n-gram
+        first-position hits vs the c_1 the budget was given."""
         if proposal.from_drafter is None or proposal.conf is None:
             return
         for s, mine, ell, acc, n, raw in zip(seqs, proposal.from_drafter, proposal.lengths, accepted,
                                              proposal.match_lengths, proposal.conf):
+            g = self._greedy(s)
+            if mine:  # what the draft returned as served, ℓ = 0 included (its drafting was paid)
+                self._record_yield(s.slot, acc, ell)
             if ell == 0:
                 continue
-            g = self._greedy(s)
             kind = "dspark" if mine else "ngram"
             c1 = 0.0 if mine else self._ngram_engine_c1(n, g)  # what this round's c_1 was scaled from
             for k in range(min(acc + 1, ell)):  # positions reached: 1..acc accepted, acc+1 rejected
@@ -639,4 +694,5 @@ class Speculator:
         self._queued.pop(slot, None)
         self._ngram_index.pop(slot, None)
         self._a1_counts.pop(slot, None)
+        self._yield_counts.pop(slot, None)
         self._ngram_counts.pop(slot, None)

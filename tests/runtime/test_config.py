@@ -120,10 +120,17 @@ def test_engine_builds_the_gate_only_when_speculating_with_it_on(target_fp32, to
     from runtime.speculation.gate import SpecGate
     from runtime.engine.llm_engine import LLMEngine
 
-    def gate(**cfg):
+    def engine(**cfg):
         return LLMEngine(EngineConfig(dtype="float32", max_batch_size=1, max_context=64, **cfg), lambda rid, ev: None,
-                         model=target_fp32, tokenizer=tokenizer).gate
+                         model=target_fp32, tokenizer=tokenizer)
+
+    def gate(**cfg):
+        return engine(**cfg).gate
 
     assert isinstance(gate(spec_method="prompt_lookup"), SpecGate)
     assert gate(spec_method="prompt_lookup", spec_gate=False) is None
     assert gate(spec_method="none") is None
+    # dspark: spec_gate on → the budget decides before drafting (no gate); off → every step drafts
+    on, off = engine(spec_method="dspark"), engine(spec_method="dspark", spec_gate=False)
+    assert on.gate is None and on.speculator.decides_drafting
+    assert off.gate is None and not off.speculator.decides_drafting

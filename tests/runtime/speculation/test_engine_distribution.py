@@ -633,6 +633,7 @@ def runs(gguf_model, tokenizer):
             if s.sps is not None:
                 engine.speculator.sps_table = s.sps
             engine.speculator.live_cost = None  # the drafting volume (the test's power) must not follow timings
+            engine.speculator.predraft = False  # dspark: the forced gate below is the whole choice to draft
             if name in BUG_METHODS:  # nor the acceptance it learns: the planted bug needs its residual draws
                 engine.speculator.learned = AcceptanceTracker(prior=1e12)
             warm_up(engine, prompt)

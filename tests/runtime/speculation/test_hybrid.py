@@ -234,7 +234,8 @@ def test_a_round_is_plain_exactly_when_the_budget_would_verify_no_ngram_draft(po
     """hybrid without a DSpark draft this round (Speculator._ngram_admitted): the round proposes
     nothing — a plain step, no p_d rows — exactly when the schedule over its n-gram drafts would
     give every request ℓ = 0 (Alg. 1's first comparison); ``fixed`` verifies any n-gram draft.
-    Random rounds: 1–8 requests, SLA weights, n-gram drafts with c_1 in [0, 1], round times
+    Random rounds: 1–8 requests, SLA weights (``dspark-sla``; 1 under the other policies, as
+    ``Speculator._round`` builds them), n-gram drafts with c_1 in [0, 1], round times
     whose extra row costs 2–40 % of a step."""
     from types import SimpleNamespace
 
@@ -250,7 +251,7 @@ def test_a_round_is_plain_exactly_when_the_budget_would_verify_no_ngram_draft(po
         table = SpsTable(rows, [1024], [[1.0 / (step + row * (b - 1)) for b in rows]])
         ngrams = [([7] * rng.randint(1, 4), rng.randint(1, 5)) if rng.random() < 0.6 else ([], 0) for _ in range(n)]
         c1 = [rng.random() if toks else 0.0 for toks, _ in ngrams]
-        weights = [rng.choice([1.0, 1.0, 1.7, 3.0]) for _ in range(n)]
+        weights = [rng.choice([1.0, 1.0, 1.7, 3.0]) if policy == "dspark-sla" else 1.0 for _ in range(n)]  # as _round
         rnd = sp_mod._Round(sampling=None, weights=weights, context_len=300.0, table=table, ngrams=ngrams,
                             ngram_c1=c1)
         conf = [[c] + [0.9] * (len(toks) - 1) if toks else [] for (toks, _), c in zip(ngrams, c1)]

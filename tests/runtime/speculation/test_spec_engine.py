@@ -149,6 +149,7 @@ def test_gate_alternating_modes_keeps_drafting_correct(target_fp32, tokenizer, p
 
     def setup(engine):
         engine.gate = ForcedGate(lambda k: k % 3 == 0)  # AR, AR, speculate, …
+        engine.speculator.predraft = False  # the forced gate is the whole decision: every "speculate" drafts
         check_draft_context_every_step(engine)
 
     engine, tokens, _, finals = run(target_fp32, tokenizer, prompts, SamplingParams(temperature=0, max_tokens=40),
@@ -164,8 +165,9 @@ def test_gate_alternating_modes_keeps_drafting_correct(target_fp32, tokenizer, p
 
 
 def test_gate_on_is_lossless_and_its_counters_add_up(target_fp32, tokenizer, prompts20, ar_greedy):
-    """The real gate (timing-driven): T = 0 output equals AR in fp32, and every forward
-    with decoding sequences is counted once, as speculative or as gated."""
+    """The real gate (timing-driven; prompt lookup's — ``dspark`` and ``hybrid`` decide inside
+    their budget instead): T = 0 output equals AR in fp32, and every forward with decoding
+    sequences is counted once, as speculative or as gated."""
     _, ar_tokens, _, _ = ar_greedy
     decode_forwards = []
 
@@ -179,10 +181,9 @@ def test_gate_on_is_lossless_and_its_counters_add_up(target_fp32, tokenizer, pro
             return plan
 
         engine.scheduler.schedule = counted
-        check_draft_context_every_step(engine)
 
     engine, tokens, _, finals = run(target_fp32, tokenizer, prompts20, SamplingParams(temperature=0, max_tokens=40),
-                                    setup=setup, spec_method="dspark", spec_policy="dspark-sla")
+                                    setup=setup, spec_method="prompt_lookup")
     assert tokens == ar_tokens
     n = sum(decode_forwards)
     assert engine.spec_steps + engine.gated_steps == engine.decode_steps == n > 0
@@ -194,6 +195,70 @@ def test_gate_on_is_lossless_and_its_counters_add_up(target_fp32, tokenizer, pro
         st = f.spec
         assert st.emitted == f.completion_tokens - 1 and st.gated_rounds <= st.rounds
         assert st.accepted <= st.verified <= st.drafted
+
+
+def row_cost_table(row_cost: float, one_row_sps: float = 2.0):
+    """An SPS table in which each verified row beyond the first adds ``row_cost`` × the
+    one-row round time (``one_row_sps`` rounds per second: slow, so drafting time is small)."""
+    from runtime.speculation.sps import SpsTable
+
+    buckets = [1, 2, 3, 4, 5, 6, 8, 16, 32]
+    return SpsTable(buckets, [0], [[one_row_sps / (1.0 + row_cost * (b - 1)) for b in buckets]])
+
+
+@pytest.mark.parametrize("row_cost", [1.0, 0.25])
+def test_dspark_decides_before_drafting_inside_its_budget(target_fp32, tokenizer, prompts20, ar_greedy, row_cost):
+    """``dspark`` with ``spec_gate`` on (the default) runs no speculation gate: each round,
+    before anything is drafted, the budget's ℓ = 0 case (``Speculator._worth_drafting``,
+    issue 28 items 2–3) drafts only the requests whose draft raises expected tokens per
+    second — w_r·ĝ_r (SLA weight × drafts accepted per drafted round, prior 0.43 over 1.08
+    verified rows at T = 0) against the SPS table's next rows and the drafting time. Three
+    requests, the first with an SLA target no request reaches (weight ≈ 4 once its speed is
+    measured), the others best effort:
+
+    * a verified row costs a whole round: nobody is ever drafted (the drafter is not called);
+    * a row costs 0.25 of a round: only the gold request is drafted (4·0.43 / 6 against
+      1.08·0.25 / 1.5 of a round, + drafting); a best-effort 0.43 / 6 never is, nor anyone
+      while every weight is still 1 (0.43 / 3 < 0.18).
+
+    Either way the T = 0 text equals plain decoding's and the counters add up."""
+    _, ar_tokens, _, _ = ar_greedy
+    events: dict[str, list] = {}
+    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_size=3, max_context=1024, request_timeout_s=3600.0,
+                                    spec_method="dspark", spec_policy="dspark-sla"),
+                       lambda rid, ev: events.setdefault(rid, []).append(ev), model=target_fp32, tokenizer=tokenizer)
+    sp = engine.speculator
+    assert engine.gate is None and sp.decides_drafting
+    sp.sps_table = sp.sps_table_greedy = row_cost_table(row_cost)
+    sp.live_cost = None  # the choice follows the table, not this machine's round times
+    check_draft_context_every_step(engine)
+    drafted_slots = []
+    draft = sp.draft
+
+    def recorded(anchors, slots, sampling):
+        drafted_slots.append(list(slots))
+        return draft(anchors, slots, sampling)
+
+    sp.draft = recorded
+    for i, ids in enumerate(prompts20[:3]):
+        engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=40),
+                                             sla_target_tokens_per_s=1e6 if i == 0 else None))
+    while engine.has_work():
+        engine.step()
+    tokens = {k: [t for e in v if isinstance(e, TextDelta) for t in e.token_ids] for k, v in events.items()}
+    assert all(tokens[k] == ar_tokens[k] for k in tokens) and len(tokens) == 3
+    stats = {k: v[-1].spec for k, v in events.items()}
+    assert engine.spec_steps + engine.gated_steps == engine.decode_steps > 0
+    for k, st in stats.items():
+        assert st.accepted <= st.verified <= st.drafted and st.emitted == len(tokens[k]) - 1
+    best_effort = [stats["1"], stats["2"]]
+    assert all(st.drafted == st.verified == 0 for st in best_effort), best_effort
+    if row_cost == 1.0:
+        assert drafted_slots == [] and engine.spec_steps == 0 and stats["0"].drafted == 0
+    else:
+        assert drafted_slots and all(len(s) == 1 for s in drafted_slots)  # the gold request alone
+        assert stats["0"].drafted == sp.gamma * (stats["0"].rounds - stats["0"].gated_rounds) > 0
+        assert stats["0"].gated_rounds >= 1  # its first round: speed not yet measured, weight 1
 
 
 class OracleProposer:

@@ -413,8 +413,8 @@ class Speculator:
         verification budget's ℓ = 0 case decided BEFORE drafting (issue 28 item 3).
 
         Alg. 1's greedy on each request's *estimated* yield of a draft (:meth:`_draft_yield`:
-        ĝ_r drafts accepted over ℓ̂_r verified per drafted round, from its past drafted
-        rounds and the engine's) over the round time ``1/SPS(B) + n·d`` (B verified rows, n
+        ĝ_r drafts accepted over ℓ̂_r verified per drafted round, from its own past drafted
+        rounds and a measured prior) over the round time ``1/SPS(B) + n·d`` (B verified rows, n
         drafted requests, d the measured drafting seconds per request, :attr:`draft_seconds`):
         a request is drafted while adding it (value w_r·ĝ_r, ℓ̂_r more rows, one more draft)
         raises expected tokens per second; the scan stops at the first that does not. The

@@ -129,7 +129,7 @@ from runtime.engine.sampler import request_generator
 from runtime.interface import Finished, GenerationRequest, SamplingParams, TextDelta
 from runtime.models.llama import SeqSpan
 from runtime.speculation.sps import SpsTable
-from tests.runtime.speculation.test_spec_engine import ForcedGate, chat_ids
+from tests.runtime.speculation.test_spec_engine import ForcedGate, chat_ids, sps_affine
 
 pytestmark = pytest.mark.model
 
@@ -155,13 +155,6 @@ WORDS = ("In The I A As To And My the of and a to in is you that it he was for o
          "down day did get come made may part heart light am old where eyes never sleep sky night moon only again "
          "here name take")
 PROMPT = f"Write a poem with these words: {WORDS}."
-
-
-def sps_affine(t0: float, c: float) -> SpsTable:
-    """An SPS table with round time ``t0 + c·B`` seconds (B = verified tokens): the scheduler
-    admits a draft while its weighted survival w·a beats about ``Σ_r w_r·τ_r · c / (t0 + c·B)``."""
-    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    return SpsTable(buckets, [512], [[1.0 / (t0 + c * b) for b in buckets]], note="test: affine round time")
 
 
 def every_fifth_plain(k: int) -> bool:

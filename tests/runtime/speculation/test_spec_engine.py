@@ -12,6 +12,7 @@ from runtime.config import EngineConfig, cpu_has_native_bf16
 from training.evaluate import first_turns
 from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import FinishReason, GenerationRequest, SamplingParams, TextDelta
+from runtime.speculation.sps import SpsTable
 from runtime.engine.sequence import SeqStatus
 
 pytestmark = pytest.mark.model
@@ -197,13 +198,11 @@ def test_gate_on_is_lossless_and_its_counters_add_up(target_fp32, tokenizer, pro
         assert st.accepted <= st.verified <= st.drafted
 
 
-def row_cost_table(row_cost: float, one_row_sps: float = 2.0):
-    """An SPS table in which each verified row beyond the first adds ``row_cost`` × the
-    one-row round time (``one_row_sps`` rounds per second: slow, so drafting time is small)."""
-    from runtime.speculation.sps import SpsTable
-
-    buckets = [1, 2, 3, 4, 5, 6, 8, 16, 32]
-    return SpsTable(buckets, [0], [[one_row_sps / (1.0 + row_cost * (b - 1)) for b in buckets]])
+def sps_affine(t0: float, c: float) -> SpsTable:
+    """An SPS table with round time ``t0 + c·B`` seconds (B = verified tokens): the scheduler
+    admits a draft while its weighted survival w·a beats about ``Σ_r w_r·τ_r · c / (t0 + c·B)``."""
+    buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    return SpsTable(buckets, [512], [[1.0 / (t0 + c * b) for b in buckets]], note="test: affine round time")
 
 
 @pytest.mark.parametrize("row_cost", [1.0, 0.25])
@@ -229,7 +228,8 @@ def test_dspark_decides_before_drafting_inside_its_budget(target_fp32, tokenizer
                        lambda rid, ev: events.setdefault(rid, []).append(ev), model=target_fp32, tokenizer=tokenizer)
     sp = engine.speculator
     assert engine.gate is None and sp.decides_drafting
-    sp.sps_table = sp.sps_table_greedy = row_cost_table(row_cost)
+    # a one-row round takes 0.5 s (slow: drafting time is small beside it), each further row row_cost × that
+    sp.sps_table = sp.sps_table_greedy = sps_affine(0.5 * (1.0 - row_cost), 0.5 * row_cost)
     sp.live_cost = None  # the choice follows the table, not this machine's round times
     check_draft_context_every_step(engine)
     drafted_slots = []

@@ -372,14 +372,10 @@ def warp_probs(
         if t is not None and t.shape != (n,):
             raise ValueError(f"{name} must be [{n}], got {tuple(t.shape)}")
     logits = logits.float()
-    out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
-
     greedy = temperature <= 0
     if bool(greedy.all()):  # all greedy: no row gather (a [N, V] copy)
+        out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if bool(greedy.any()):
-        g_rows = greedy.nonzero().squeeze(-1)
-        out[g_rows, logits[g_rows].argmax(-1)] = 1.0
     sampled = ~greedy
     filt = sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     if min_p is not None:
@@ -388,6 +384,10 @@ def warp_probs(
     plain = sampled & ~filt
     if bool(plain.all()):  # every row sampled, no filter (T > 0 alone): no [N, V] zeros + row copy
         return torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
+    out = torch.zeros((n, vocab), dtype=torch.float32, device=logits.device)
+    if bool(greedy.any()):
+        g_rows = greedy.nonzero().squeeze(-1)
+        out[g_rows, logits[g_rows].argmax(-1)] = 1.0
     if bool(plain.any()):
         rows = plain.nonzero().squeeze(-1)
         out[rows] = torch.softmax(logits[rows] / temperature[rows].unsqueeze(-1), dim=-1)

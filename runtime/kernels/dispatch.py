@@ -76,6 +76,19 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton" if t.is_cuda and triton_available() else "reference"
 
 
+def cpu_verify_path(t: torch.Tensor) -> bool:
+    """Whether :func:`runtime.speculation.verifier.verify` runs its C++ twin
+    (``torch.ops.sparkgate.verify_chain``, ``runtime/kernels/cpu/verify_chain.cpp``, the same
+    tokens in one call instead of ~40 torch ops) for inputs where ``t`` lives: on CPU
+    tensors, with ``SPARKGATE_KERNELS`` ``auto``, when the C++ extension is already loaded
+    in this process (the ``gguf`` model loads it; this never builds it)."""
+    if t.is_cuda or kernels_mode() != "auto":
+        return False
+    from runtime.kernels.cpu.gguf_cpu import kernel_loaded
+
+    return kernel_loaded()
+
+
 def fused_markov_supported(top_k: int = 0, top_p: float = 1.0) -> bool:
     """Whether a request's sampling params fit the fused Markov sampler (temperature only)."""
     return top_k <= 0 and top_p >= 1.0
@@ -99,4 +112,5 @@ def markov_sample(
     return markov_sample_reference(base_logits, w1, w2, anchors, temperature, uniforms, return_probs=return_probs)
 
 
-__all__ = ["triton_available", "kernels_mode", "kernel_path", "backend_for", "fused_markov_supported", "markov_sample"]
+__all__ = ["triton_available", "kernels_mode", "kernel_path", "backend_for", "cpu_verify_path", "fused_markov_supported",
+           "markov_sample"]

@@ -68,7 +68,7 @@ from typing import Sequence
 import torch
 
 from runtime.engine.sampler import gumbel_scores, seeded_rows, uniform, warp_probs
-from runtime.kernels.dispatch import backend_for
+from runtime.kernels.dispatch import backend_for, cpu_verify_path
 from runtime.kernels.gpu.reference import (
     chain_offsets,
     check_chain_shapes,
@@ -202,13 +202,14 @@ def verify(
     lengths: Sequence[int] | torch.Tensor,
     generators: Sequence[torch.Generator],
 ) -> VerifyResult:
-    """Standard mode with per-request generators: :func:`verify_chain` (Triton on CUDA).
+    """Standard mode with per-request generators: :func:`verify_chain` (Triton on CUDA, its
+    C++ twin :func:`verify_chain_cpu` on a CPU that has loaded the extension).
 
     Random numbers per request, in order: ℓ_r acceptance uniforms, then one uniform
     for the extra token (always drawn, also for one-hot rows), all from
-    :func:`runtime.engine.sampler.uniform` before the rule runs. The backend (Triton kernel
-    or torch) is :func:`runtime.kernels.dispatch.backend_for`'s; both return the
-    same tokens.
+    :func:`runtime.engine.sampler.uniform` before the rule runs. The backend (Triton kernel,
+    C++ or torch) is :func:`runtime.kernels.dispatch.backend_for`'s and
+    :func:`~runtime.kernels.dispatch.cpu_verify_path`'s; all return the same tokens.
 
     Args:
         p_target: fp32 ``[Σ(ℓ_r+1), V]`` target distributions (after the request's
@@ -229,14 +230,41 @@ def verify(
     lens = torch.as_tensor(lengths, dtype=torch.long).cpu()
     if len(generators) != lens.numel():
         raise ValueError(f"{lens.numel()} requests but {len(generators)} generators")
-    req = torch.repeat_interleave(torch.arange(lens.numel()), lens).tolist()
+    req = [r for r, n in enumerate(lens.tolist()) for _ in range(n)]  # each draft's request
     u_accept = uniform([generators[r] for r in req], device=dev)
     args = (p_target, p_draft, draft_tokens.to(dev).long(), lens.to(dev), u_accept, uniform(list(generators), device=dev))
     if backend_for(p_target) == "triton":
         from runtime.kernels.gpu.triton_verify import verify_chain_triton
 
         return VerifyResult(*verify_chain_triton(*args), draft_tokens=draft_tokens, lengths=args[3])
+    if cpu_verify_path(p_target):
+        return verify_chain_cpu(*args)
     return verify_chain(*args)
+
+
+def verify_chain_cpu(
+    p_target: torch.Tensor,
+    p_draft: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> VerifyResult:
+    """:func:`verify_chain` in one C++ call (``torch.ops.sparkgate.verify_chain``,
+    ``runtime/kernels/cpu/verify_chain.cpp``): the same arguments and exactly the same
+    tokens — every step is an fp32 elementwise result or an exact int64 sum — without its
+    ~40 torch ops per round. CPU tensors; needs the loaded extension
+    (:func:`runtime.kernels.cpu.gguf_cpu.kernel_loaded`).
+
+    Raises:
+        ValueError: as :func:`verify_chain` (:func:`check_chain_shapes`).
+        RuntimeError: a draft token outside [0, V)."""
+    check_chain_shapes(p_target, p_draft, draft_tokens, lengths, u_accept, u_sample, None)
+    lens = lengths.to(torch.int64)
+    accepted, next_tokens = torch.ops.sparkgate.verify_chain(
+        p_target.float().contiguous(), p_draft.float().contiguous(), draft_tokens.to(torch.int64),
+        lens, u_accept.to(torch.float32), u_sample.to(torch.float32))
+    return VerifyResult(accepted=accepted, next_tokens=next_tokens, draft_tokens=draft_tokens, lengths=lens)
 
 
 def verify_greedy(
@@ -271,7 +299,10 @@ def verify_greedy(
     if target_logits.shape[0] != D + R or draft_tokens.shape[0] != D:
         raise ValueError(f"rows: target {target_logits.shape[0]} (want {D + R}), drafts {draft_tokens.shape[0]} (want {D})")
     best = target_logits.argmax(-1)
-    t_off, _, t_rows, d_rows, valid = _chain(lens.to(dev), int(lens.max()) if R else 0)
+    if D == 0:  # a plain round: every row is its request's bonus row
+        return VerifyResult(accepted=torch.zeros(R, dtype=torch.long, device=dev), next_tokens=best,
+                            draft_tokens=draft_tokens, lengths=lens.to(dev))
+    t_off, _, t_rows, d_rows, valid = _chain(lens.to(dev), int(lens.max()))
     n_acc = _accepted_length(draft_tokens.to(dev, torch.int64)[d_rows] == best[t_rows], valid)
     return VerifyResult(accepted=n_acc, next_tokens=best[t_off + n_acc], draft_tokens=draft_tokens, lengths=lens.to(dev))
 
@@ -408,13 +439,10 @@ def spec_round(
     else:
         if draft_probs is None and len(seeded) < temperature.numel():
             raise ValueError("draft_probs is required unless every request is greedy or seeded")
-        p_target = warp_probs(
-            target_logits,
-            temperature.repeat_interleave(rep.to(temperature.device)),
-            top_k.repeat_interleave(rep.to(top_k.device)),
-            top_p.repeat_interleave(rep.to(top_p.device)),
-            min_p=None if min_p is None else min_p.repeat_interleave(rep.to(min_p.device)),
-        )
+        def per_row(t: torch.Tensor | None) -> torch.Tensor | None:  # a request's parameters on each of its rows
+            return t if t is None or not any(lengths) else t.repeat_interleave(rep.to(t.device))
+
+        p_target = warp_probs(target_logits, per_row(temperature), per_row(top_k), per_row(top_p), min_p=per_row(min_p))
         if not seeded:
             res = verify(p_target, draft_probs, draft_tokens, lens, generators)
         else:

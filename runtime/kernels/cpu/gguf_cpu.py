@@ -42,7 +42,7 @@ BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
 QK = 32
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp"]  # + gguf_cpu.h, work_pool.h
+_SOURCES = [_HERE / "gguf_cpu.cpp", _HERE / "fused_layer.cpp", _HERE / "verify_chain.cpp"]  # + gguf_cpu.h, work_pool.h
 _CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma",
            "-mamx-tile", "-mamx-bf16"]
 #: Whether gguf_linear multiplies on the AMX tile unit where the CPU has one. AMX rounds
@@ -79,6 +79,13 @@ def _load_kernel() -> bool:
 def kernel_available() -> bool:
     """Whether :func:`gguf_linear` runs the C++ kernel on this machine (builds it once)."""
     return _load_kernel()
+
+
+def kernel_loaded() -> bool:
+    """Whether the extension is loaded in this process already (never builds it): the
+    verifier's C++ path (``torch.ops.sparkgate.verify_chain``) runs where the served ``gguf``
+    model has loaded it, and torch elsewhere."""
+    return _load_kernel.cache_info().currsize > 0 and _load_kernel()
 
 
 #: Bytes of one kernel tile (16 output rows × one 32-wide group), see gguf_cpu.cpp.

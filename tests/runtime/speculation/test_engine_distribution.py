@@ -420,8 +420,9 @@ def run_engine(engine: LLMEngine, setting: Setting, prompt: list[int], bug: bool
         mp.setattr(engine, "gate", gate)
         if setting.spec_method == "hybrid":  # which requests DSpark drafts: from past rounds, not from timings
             mp.setattr(engine.speculator, "_worth_drafting", lambda seqs, rnd, wanted: wanted)
-        if bug:
+        if bug:  # planted in the torch specification; its C++ twin (same tokens) is off meanwhile
             mp.setattr(verifier, "residual", residual_at_bug_temperature)
+            mp.setattr(verifier, "cpu_verify_path", lambda t: False)
         t0, c0 = time.perf_counter(), time.process_time()
         spec0, gated0 = engine.spec_steps, engine.gated_steps
         for req in requests_of(setting, prompt, seeded=not bug):  # the bug cannot touch seeded requests

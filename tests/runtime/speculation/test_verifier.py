@@ -10,7 +10,7 @@ first three output tokens must match the target chain's (chi-square).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from unittest import mock
 
 import pytest
@@ -46,10 +46,14 @@ def _params(n: int, warp: tuple[float, int, float]):
     return torch.full((n,), t), torch.full((n,), k, dtype=torch.long), torch.full((n,), p)
 
 
+@contextmanager
 def residual_from_target():
     """Planted bug (a context manager): the extra token after a rejection is drawn from
-    p_t instead of norm(max(0, p_t − p_d)) — :func:`verifier.residual` patched."""
-    return mock.patch.object(verifier, "residual", lambda p_t, p_d: p_t)
+    p_t instead of norm(max(0, p_t − p_d)) — :func:`verifier.residual` patched, in the torch
+    specification (its C++ twin, which returns the same tokens, is turned off meanwhile)."""
+    with mock.patch.object(verifier, "residual", lambda p_t, p_d: p_t), \
+            mock.patch.object(verifier, "cpu_verify_path", lambda t: False):
+        yield
 
 
 def simulate(warp, *, bug: str | None = None, n: int = N, seed: int = 1) -> torch.Tensor:

@@ -15,8 +15,9 @@ from pathlib import Path
 ENV = {
     "SPARKGATE_CACHE_DIR": ("~/.cache/sparkgate", "root of the caches: converted model, SPS profiles, "
                             "compiled kernels, default database (``runtime.config.cache_dir``)."),
-    "SPARKGATE_KERNELS": ("auto", "verification kernels: ``auto`` (Triton for CUDA tensors, else the torch "
-                          "reference), ``reference`` or ``triton`` forced (``runtime.kernels.dispatch``)."),
+    "SPARKGATE_KERNELS": ("auto", "verification kernels: ``auto`` (Triton for CUDA tensors; on the CPU the C++ "
+                          "twin where the gguf extension is loaded, else the torch reference), ``reference`` or "
+                          "``triton`` forced (``runtime.kernels.dispatch``)."),
 }
 
 

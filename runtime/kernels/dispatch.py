@@ -5,7 +5,8 @@
 specification) and of :func:`markov_sample`, which takes the same arguments as
 :func:`~runtime.kernels.gpu.reference.markov_sample_reference` and returns the same
 result. The Triton path is used when the inputs are CUDA tensors and ``triton``
-imports; otherwise (CPU engine, no triton) torch runs. The environment variable
+imports; otherwise (CPU engine, no triton) torch runs — for verification, its C++ twin
+where the gguf extension is loaded (:func:`cpu_verify_path`). The environment variable
 ``SPARKGATE_KERNELS`` (read by :func:`kernels_mode` only) overrides: ``reference``
 forces the torch path, ``triton`` forces Triton (an error if it cannot import; on
 CPU tensors this only works under ``TRITON_INTERPRET=1``), ``auto`` (default) as above.

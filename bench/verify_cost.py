@@ -41,6 +41,7 @@ from runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from runtime.interface import GenerationRequest, SamplingParams  # noqa: E402
 from runtime.kernels.cpu.gguf_cpu import kernel_available  # noqa: E402
 from runtime.speculation.verifier import spec_round  # noqa: E402
+from training.data import chat_ids  # noqa: E402
 from training.evaluate import first_turns  # noqa: E402
 
 BACKENDS = {"cpp": "auto", "torch": "reference"}
@@ -95,12 +96,9 @@ def time_engine(method: str, concurrency: list[int], batches: int, tokens: int, 
         eng = LLMEngine(EngineConfig(dtype=dtype, spec_method=method, max_batch_size=c, prefix_cache_blocks=0,
                                      request_timeout_s=3600.0, profile_on_start=method != "none"),
                         lambda rid, ev: None)
-        tok = eng.tokenizer
         rates: dict[str, list[float]] = {b: [] for b in BACKENDS}
         for b in range(batches + 1):
-            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                      tokenize=False), add_special_tokens=False)
-                   for t in pool[b * c : (b + 1) * c]]
+            ids = [chat_ids(eng.tokenizer, t) for t in pool[b * c : (b + 1) * c]]
             for backend in (list(BACKENDS) if b % 2 == 0 else list(BACKENDS)[::-1]):
                 use(backend)
                 for i, x in enumerate(ids):

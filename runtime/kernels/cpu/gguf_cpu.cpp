@@ -43,7 +43,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -339,16 +341,55 @@ bool amx_usable() {
   return ok;
 }
 
+// One group's 16 k-pairs x 16 outputs of a tile, unpacked to bf16 in the B operand's layout.
+template <int64_t QTYPE>
+inline void unpack_b(const uint8_t* tile, uint16_t* bbuf, __m512i lut, __m512i low4) {
+  if (QTYPE == QTYPE_Q4_1) {
+    for (int c = 0; c < 8; ++c) {
+      __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
+      _mm512_store_si512(bbuf + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
+      _mm512_store_si512(bbuf + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
+    }
+  } else {
+    for (int c = 0; c < 16; ++c) _mm512_store_si512(bbuf + 32 * c, q8_to_bf16(tile + 32 * c));
+  }
+}
+
+// One group's product for up to 16 rows: C = A (rows of x, this group's 32 k) x B (unpacked
+// weights), then acc[r] += C[r] * d (+ Q4_1's m * sum x), groups in order.
+template <int64_t QTYPE>
+inline void amx_group(const uint16_t* x, int64_t K, const uint16_t* bbuf, const uint8_t* tile, const float* xsum,
+                      int64_t G, int64_t g, int64_t M, float* cbuf, __m512* acc) {
+  _tile_zero(0);
+  _tile_loadd(1, x + g * QK, K * 2);
+  _tile_loadd(2, bbuf, 64);
+  _tile_dpbf16ps(0, 1, 2);
+  _tile_stored(0, cbuf, 64);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
+  if (QTYPE == QTYPE_Q4_1) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+    for (int64_t r = 0; r < M; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]));
+  } else {
+    for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]);
+  }
+}
+
+inline void amx_config(int64_t rows) {
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(rows);  // C: rows x 16 fp32, A: rows x 32 bf16
+  cfg.rows[2] = 16;                                        // B: 16 k-pairs x 32 bf16
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Up to 16 rows (a decode step, a small verification): each group unpacked as it is used.
 template <int64_t QTYPE>
 void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
                      int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
   const int64_t G = K / QK;
   const int64_t tb = tile_bytes(QTYPE);
-  TileConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = static_cast<uint8_t>(M);  // C: M x 16 fp32, A: M x 32 bf16
-  cfg.rows[2] = 16;                                      // B: 16 k-pairs x 32 bf16
-  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
-  _tile_loadconfig(&cfg);
+  amx_config(M);
   alignas(64) uint16_t bbuf[16 * 32];
   alignas(64) float cbuf[16 * 16];
   const __m512i lut = nibble_lut();
@@ -360,30 +401,60 @@ void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, flo
     for (int64_t g = 0; g < G; ++g, tile += tb) {
       for (int64_t off = 0; off < tb; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
-      if (QTYPE == QTYPE_Q4_1) {
-        for (int c = 0; c < 8; ++c) {
-          __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c)));
-          _mm512_store_si512(bbuf + 64 * c, _mm512_permutexvar_epi16(_mm512_and_si512(b, low4), lut));
-          _mm512_store_si512(bbuf + 64 * c + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut));
-        }
-      } else {
-        for (int c = 0; c < 16; ++c) _mm512_store_si512(bbuf + 32 * c, q8_to_bf16(tile + 32 * c));
-      }
-      _tile_zero(0);
-      _tile_loadd(1, x + g * QK, K * 2);
-      _tile_loadd(2, bbuf, 64);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_stored(0, cbuf, 64);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (QTYPE == QTYPE_Q4_1 ? 256 : 512))));
-      if (QTYPE == QTYPE_Q4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
-        for (int64_t r = 0; r < M; ++r)
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * G + g]), _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]));
-      } else {
-        for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), d, acc[r]);
-      }
+      unpack_b<QTYPE>(tile, bbuf, lut, low4);
+      amx_group<QTYPE>(x, K, bbuf, tile, xsum, G, g, M, cbuf, acc);
     }
     for (int64_t r = 0; r < M; ++r) store_tile_row(acc[r], y_f32, y_bf16, r, N, t);
+  }
+  _tile_release();
+}
+
+// More than 16 rows (verification under load, prefill chunks): a tile's groups are unpacked
+// once (G KB, in L1/L2) and every 16-row chunk multiplies them, where 16-row calls would
+// unpack them once per chunk. The last chunk's rows sit in a zero-padded copy so every
+// chunk runs as 16 rows; a row's product does not depend on the tile's other rows, and the
+// groups reach its accumulators in the same order, so every row is bit for bit what the
+// 16-row kernel above gives it (tests/runtime/kernels/test_row_invariance.py).
+template <int64_t QTYPE>
+void tile_kernel_amx_many(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
+                          int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t G = K / QK;
+  const int64_t tb = tile_bytes(QTYPE);
+  const int64_t full = M / 16 * 16, rest = M - full;
+  std::vector<uint16_t> pad(rest > 0 ? 16 * K : 0, 0);  // the last chunk's rows, zero-padded to 16
+  std::vector<float> pad_sum(rest > 0 ? 16 * G : 0, 0.f);
+  if (rest > 0) {
+    std::memcpy(pad.data(), x + full * K, rest * K * sizeof(uint16_t));
+    if (xsum != nullptr) std::memcpy(pad_sum.data(), xsum + full * G, rest * G * sizeof(float));
+  }
+  amx_config(16);
+  alignas(64) float cbuf[16 * 16];
+  // the tile's G groups unpacked (G KB: 18 KB at K = 576, 48 KB at 1,536), 64-byte aligned
+  std::unique_ptr<uint16_t, decltype(&std::free)> unpacked(
+      static_cast<uint16_t*>(std::aligned_alloc(64, G * 16 * 32 * sizeof(uint16_t))), &std::free);
+  uint16_t* bball = unpacked.get();
+  const __m512i lut = nibble_lut();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 acc[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile0 = w + t * G * tb;
+    const uint8_t* tile = tile0;
+    for (int64_t g = 0; g < G; ++g, tile += tb) {
+      for (int64_t off = 0; off < tb; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(tile + PREFETCH_TILES * tb + off), _MM_HINT_T0);
+      unpack_b<QTYPE>(tile, bball + g * 512, lut, low4);
+    }
+    for (int64_t i = 0; i < M; i += 16) {
+      const bool last = i == full;
+      const uint16_t* xi = last ? pad.data() : x + i * K;
+      const float* si = xsum == nullptr ? nullptr : (last ? pad_sum.data() : xsum + i * G);
+      const int64_t rows = last ? rest : 16;
+      for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      tile = tile0;
+      for (int64_t g = 0; g < G; ++g, tile += tb) amx_group<QTYPE>(xi, K, bball + g * 512, tile, si, G, g, rows, cbuf, acc);
+      for (int64_t r = 0; r < rows; ++r)
+        store_tile_row(acc[r], y_f32 != nullptr ? y_f32 + i * N : nullptr, y_bf16 != nullptr ? y_bf16 + i * N : nullptr, r, N, t);
+    }
   }
   _tile_release();
 }
@@ -393,10 +464,9 @@ template <int64_t QTYPE>
 void tiles_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
                     int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1, bool amx) {
   const int64_t G = K / QK;
-  if (amx) {  // 16-row chunks through the tile unit; the weights of [t0, t1) stay in L2 between chunks
-    for (int64_t i = 0; i < M; i += 16)
-      tile_kernel_amx<QTYPE>(x + i * K, xsum != nullptr ? xsum + i * G : nullptr, w, y_f32 != nullptr ? y_f32 + i * N : nullptr,
-                             y_bf16 != nullptr ? y_bf16 + i * N : nullptr, std::min<int64_t>(16, M - i), N, K, t0, t1);
+  if (amx) {  // up to 16 rows in one pass through the tile unit; more in 16-row chunks over weights unpacked once
+    if (M <= 16) tile_kernel_amx<QTYPE>(x, xsum, w, y_f32, y_bf16, M, N, K, t0, t1);
+    else tile_kernel_amx_many<QTYPE>(x, xsum, w, y_f32, y_bf16, M, N, K, t0, t1);
     return;
   }
   // Tile by tile (its bytes stay in L1 between row chunks): rows in chunks of 8, the last

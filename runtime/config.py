@@ -62,9 +62,11 @@ class EngineConfig:
         max_step_tokens: max tokens in one ragged forward (prefill chunks + decode).
         request_timeout_s: per-request wall-clock limit (seconds).
         num_threads: torch intra-op threads (0 → torch default).
-        spec_method: ``"none"`` (AR), ``"dspark"``, ``"parallel"`` (rank-0 ablation),
-            ``"prompt_lookup"`` (n-gram baseline), ``"hybrid"`` (n-gram draft where it is likely
-            accepted, else DSpark: :mod:`runtime.speculation.speculator`).
+        spec_method: ``"none"`` (AR, the engine's default), ``"dspark"``, ``"parallel"``
+            (rank-0 ablation), ``"prompt_lookup"`` (n-gram baseline), ``"hybrid"`` (n-gram draft
+            where it is likely accepted, else DSpark: :mod:`runtime.speculation.speculator`) or
+            ``"auto"`` (the server's default: ``"hybrid"`` on the ``gguf`` path of a CPU with
+            AMX, else ``"none"``; :func:`resolve_spec_method`).
         spec_policy: verification-budget policy: ``fixed``, ``mtp1``, ``threshold``,
             ``dspark``, ``dspark-sla`` (default).
         draft_checkpoint: path of a drafter checkpoint dir (safetensors + JSON);
@@ -163,6 +165,24 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 def cache_dir() -> Path:
     """Root cache dir: ``$SPARKGATE_CACHE_DIR`` or ``~/.cache/sparkgate`` (:data:`ENV`)."""
     return Path(env("SPARKGATE_CACHE_DIR")).expanduser()
+
+
+def resolve_spec_method(name: str, dtype: str, cpuinfo: str | None = None) -> str:
+    """``"auto"`` (the server's default) → ``"hybrid"`` where a verified row is near-free —
+    the target on the ``gguf`` path of a CPU with AMX-BF16, whose tiles multiply up to 16
+    rows for about the price of one — else ``"none"`` (plain decoding: on CPUs without
+    AMX a verified row costs ~0.12–0.18 decode steps and speculation measured 0.95–1.14×
+    AR). Measured, served over HTTP: ``docs/benchmarks.md``, "Speculation by default on
+    AMX". Any other name is returned unchanged (validated by the engine).
+
+    Args:
+        name: ``EngineConfig.spec_method``.
+        dtype: the resolved serving dtype (:func:`resolve_dtype`).
+        cpuinfo: ``/proc/cpuinfo``'s text (tests); ``None`` reads this machine's.
+    """
+    if name != "auto":
+        return name
+    return "hybrid" if dtype == "gguf" and AMX_FLAGS <= cpu_flags(cpuinfo) else "none"
 
 
 def resolve_dtype(name: str, cpuinfo: str | None = None) -> str:

@@ -134,7 +134,7 @@ class Settings(_Derived):
     # leaving /readyz at 503), start-up profiling on when serving, no negative cache, URLs as
     # a comma-separated list.
     dtype: Literal[("auto", *DTYPE_NAMES)] = "auto"
-    spec_method: Literal[SPEC_METHODS] = "none"
+    spec_method: Literal[("auto", *SPEC_METHODS)] = "auto"
     spec_policy: Literal[POLICIES] = "dspark-sla"
     profile_on_start: bool = True
     prefix_cache_blocks: int = Field(default=EngineConfig.prefix_cache_blocks, ge=0)

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from runtime.config import EngineConfig, resolve_dtype
+from runtime.config import EngineConfig, resolve_dtype, resolve_spec_method
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.grammar import BitmaskBuffer, GrammarCache, RequestGrammar, mask_logits
 from runtime.engine.logits_processors import RequestProcessors, apply_processors, check_params
@@ -123,6 +123,9 @@ class LLMEngine:
         if config.dtype == "auto":  # the default: gguf where its kernels run, else bf16 / fp32 by the CPU
             config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
             log.info("dtype auto → %s", config.dtype)
+        if config.spec_method == "auto":  # the server's default: hybrid where AMX makes verified rows cheap
+            config = dataclasses.replace(config, spec_method=resolve_spec_method("auto", config.dtype))
+            log.info("spec_method auto → %s", config.spec_method)
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
         if config.num_threads > 0:

@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 
 from runtime import config
-from runtime.config import EngineConfig, cpu_has_native_bf16, resolve_dtype
+from runtime.config import EngineConfig, cpu_has_native_bf16, resolve_dtype, resolve_spec_method
 
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu vme sse2 ssse3 fma avx avx2 bmi2 sha_ni\n"
 XEON_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 f16c avx avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n"
@@ -32,6 +32,21 @@ def test_auto_resolves_by_cpu_and_explicit_names_pass_through():
         assert resolve_dtype("auto", EPYC_AVX2) == "float32"
     assert resolve_dtype("bfloat16") == "bfloat16" and resolve_dtype("float32") == "float32"
     assert resolve_dtype("int3") == "int3"  # validated (rejected) by the engine
+
+
+XEON_AMX = XEON_BF16.rstrip("\n") + " amx_tile amx_bf16 amx_int8\n"
+
+
+def test_auto_speculates_only_on_the_gguf_path_of_an_amx_cpu():
+    """``spec_method="auto"`` (the server's default) is the hybrid where AMX makes verified rows
+    cheap, plain decoding elsewhere — never a silent change of an explicit choice."""
+    assert resolve_spec_method("auto", resolve_dtype("auto", XEON_AMX), XEON_AMX) == "hybrid"
+    assert resolve_spec_method("auto", "gguf", XEON_BF16) == "none"  # AVX512-BF16 without AMX (EPYC, Cooper Lake)
+    assert resolve_spec_method("auto", "float32", XEON_AMX) == "none"  # AMX, but the target off the gguf tiles
+    assert resolve_spec_method("auto", resolve_dtype("auto", SAPPHIRE), SAPPHIRE) == "none"  # bf16: no kernel
+    assert resolve_spec_method("auto", "gguf", EPYC_AVX2) == "none"
+    for explicit in ("none", "dspark", "prompt_lookup", "hybrid", "dsaprk"):
+        assert resolve_spec_method(explicit, "gguf", XEON_AMX) == explicit  # validated by the engine
 
 
 def test_engine_rejects_an_unknown_dtype():
@@ -60,7 +75,7 @@ def _engine_names(field: str) -> set[str]:
     if field == "spec_method":  # the speculator checks against this same tuple (runtime/config.py)
         from runtime.speculation.speculator import SPEC_METHODS
 
-        return set(SPEC_METHODS)
+        return {"auto", *SPEC_METHODS}  # "auto": resolved by the engine (resolve_spec_method)
     from runtime.speculation.budget import POLICIES, schedule
 
     # the policies the budget really dispatches (a name in POLICIES without a branch raises)
@@ -84,7 +99,10 @@ def test_settings_accept_exactly_the_engine_values(monkeypatch, field, env, bad,
     from gateway.core.config import Settings
 
     assert set(typing.get_args(Settings.model_fields[field].annotation)) == _engine_names(field)
-    assert Settings.model_fields[field].default == getattr(EngineConfig(), field)
+    # the same defaults, except the method: the server speculates where it pays ("auto"),
+    # the engine as a library decodes plainly unless told to
+    expected = "auto" if field == "spec_method" else getattr(EngineConfig(), field)
+    assert Settings.model_fields[field].default == expected
     monkeypatch.setenv(env, bad)
     with pytest.raises(ValidationError, match=field):
         Settings(_env_file=None)
@@ -103,6 +121,20 @@ def test_engine_resolves_auto_to_the_cpu_dtype(target_fp32, tokenizer):
     e = LLMEngine(EngineConfig(dtype="auto", max_batch_size=1, max_context=64), lambda rid, ev: None,
                   model=target_fp32, tokenizer=tokenizer)
     assert e.config.dtype == resolve_dtype("auto") and e.config.dtype in ("gguf", "bfloat16", "float32")
+
+
+@pytest.mark.model
+def test_engine_resolves_the_servers_auto_spec_method(target_fp32, tokenizer):
+    """The server's default ``spec_method="auto"`` reaches the engine unresolved; the engine
+    resolves it against its own dtype: an fp32 target decodes plainly on any CPU (and the
+    resolved method is what /metrics and the admin UI report)."""
+    from gateway.core.config import Settings
+    from runtime.engine.llm_engine import LLMEngine
+
+    assert Settings(_env_file=None).engine_config().spec_method == "auto"
+    e = LLMEngine(EngineConfig(dtype="float32", spec_method="auto", max_batch_size=1, max_context=64),
+                  lambda rid, ev: None, model=target_fp32, tokenizer=tokenizer)
+    assert e.config.spec_method == "none" and e.speculator is None
 
 
 def test_spec_gate_setting_reaches_the_engine_config(monkeypatch):

@@ -57,13 +57,14 @@ def test_rolling_window():
 
 def test_settings_defaults_env_and_engine_config(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    for var in ("SPARKGATE_DATABASE_URL", "SPARKGATE_PORT", "SPARKGATE_CORS_ORIGINS", "SPARKGATE_DTYPE"):
+    for var in ("SPARKGATE_DATABASE_URL", "SPARKGATE_PORT", "SPARKGATE_CORS_ORIGINS", "SPARKGATE_DTYPE",
+                "SPARKGATE_SPEC_METHOD"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SPARKGATE_CACHE_DIR", str(tmp_path / "cache"))
     s = Settings()
     assert (s.host, s.port, s.dtype, s.max_batch_size, s.max_context, s.max_waiting) == (
         "127.0.0.1", 8000, "auto", 16, 8192, 256)
-    assert (s.spec_method, s.cors_origins, s.admin_token, s.model_name) == ("none", [], None, "SmolLM2-135M-Instruct")
+    assert (s.spec_method, s.cors_origins, s.admin_token, s.model_name) == ("auto", [], None, "SmolLM2-135M-Instruct")
     assert s.database_url == f"sqlite+aiosqlite:///{tmp_path / 'cache' / 'sparkgate.db'}"
 
     monkeypatch.setenv("SPARKGATE_PORT", "9001")

@@ -62,6 +62,7 @@ from runtime.interface import (
     TokenLogprob,
     clamp_max_tokens,
 )
+from runtime.kernels.cpu import gguf_cpu
 from runtime.models.gguf_weights import use_kernel_threads
 from runtime.models.llama import LlamaModel, SeqSpan, load_llama
 from runtime.models.loader import MODEL_NAME, ensure_converted
@@ -124,7 +125,10 @@ class LLMEngine:
             config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
             log.info("dtype auto → %s", config.dtype)
         if config.spec_method == "auto":  # the server's default: hybrid where AMX makes verified rows cheap
-            config = dataclasses.replace(config, spec_method=resolve_spec_method("auto", config.dtype))
+            method = resolve_spec_method("auto", config.dtype)
+            if method != "none" and not gguf_cpu.kernel_available():  # no compiler: dequantised weights, no AMX
+                method = "none"
+            config = dataclasses.replace(config, spec_method=method)
             log.info("spec_method auto → %s", config.spec_method)
         if config.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(DTYPES)} or 'auto'")

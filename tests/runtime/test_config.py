@@ -166,3 +166,16 @@ def test_engine_builds_the_gate_only_when_speculating_with_it_on(target_fp32, to
     on, off = engine(spec_method="dspark"), engine(spec_method="dspark", spec_gate=False)
     assert on.gate is None and on.speculator.decides_drafting
     assert off.gate is None and not off.speculator.decides_drafting
+
+
+@pytest.mark.model
+def test_auto_decodes_plainly_where_the_gguf_kernel_did_not_build(target_fp32, tokenizer, monkeypatch):
+    """On an AMX CPU without a compiler the target falls back to dequantised weights, where
+    verified rows are not cheap: ``auto`` then means plain decoding, not the hybrid."""
+    from runtime.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "resolve_spec_method", lambda name, dtype: "hybrid")  # an AMX CPU's answer
+    monkeypatch.setattr(llm_engine.gguf_cpu, "kernel_available", lambda: False)
+    e = llm_engine.LLMEngine(EngineConfig(dtype="float32", spec_method="auto", max_batch_size=1, max_context=64),
+                             lambda rid, ev: None, model=target_fp32, tokenizer=tokenizer)
+    assert e.config.spec_method == "none" and e.speculator is None

@@ -37,8 +37,8 @@ def test_logits_and_taps_match_transformers(target_fp32, hf_model, tokenizer):
         with torch.no_grad():
             ref = hf_model(x[None], output_hidden_states=True)
         assert (out.logits - ref.logits[0]).abs().max().item() <= 1e-3
-        for j, layer in enumerate(taps):
-            assert (out.taps[:, j] - ref.hidden_states[layer + 1][0]).abs().max().item() <= 1e-3
+        for j, layer in enumerate(taps):  # |h| reaches ~2e4 (massive activations): fp32 GEMM order differs in relative 1e-6s
+            torch.testing.assert_close(out.taps[:, j], ref.hidden_states[layer + 1][0], rtol=1e-5, atol=1e-3)
         assert cache.lengths[slot] == len(x)
 
 

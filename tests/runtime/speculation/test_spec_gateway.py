@@ -183,7 +183,10 @@ def test_gated_speculation_through_the_gateway(target_fp32, tokenizer, tmp_path,
     # every emitted token came from a decode round; only a request's last round may produce tokens
     # that max_tokens/EOS cut (at most γ of them)
     assert emitted <= tokens <= emitted + 4 * len(PROMPTS)
-    assert gated == gated_rounds and spec >= 2  # each plain round is one of its request's gated rounds
+    assert gated == gated_rounds  # each plain round is one of its request's gated rounds
+    # the first round drafts (no drafting time measured yet); how many more do depends on the
+    # drafting time this machine measures (one draft in a loaded CI run, most rounds when quiet)
+    assert spec >= 1
 
 
 def test_constrained_and_plain_requests_are_marked_and_split(target_fp32, tokenizer, tmp_path, migrated_template):

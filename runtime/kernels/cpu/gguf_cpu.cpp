@@ -411,22 +411,15 @@ void tile_kernel_amx(const uint16_t* x, const float* xsum, const uint8_t* w, flo
 
 // More than 16 rows (verification under load, prefill chunks): a tile's groups are unpacked
 // once (G KB, in L1/L2) and every 16-row chunk multiplies them, where 16-row calls would
-// unpack them once per chunk. The last chunk's rows sit in a zero-padded copy so every
-// chunk runs as 16 rows; a row's product does not depend on the tile's other rows, and the
-// groups reach its accumulators in the same order, so every row is bit for bit what the
-// 16-row kernel above gives it (tests/runtime/kernels/test_row_invariance.py).
+// unpack them once per chunk. x (and xsum) hold M rows zero-padded to a multiple of 16
+// (gguf_linear), so every chunk runs as 16 rows; a row's product does not depend on the
+// tile's other rows, and the groups reach its accumulators in the same order, so every row
+// is bit for bit what the 16-row kernel above gives it (tests/runtime/kernels/test_row_invariance.py).
 template <int64_t QTYPE>
 void tile_kernel_amx_many(const uint16_t* x, const float* xsum, const uint8_t* w, float* y_f32, at::BFloat16* y_bf16,
                           int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
   const int64_t G = K / QK;
   const int64_t tb = tile_bytes(QTYPE);
-  const int64_t full = M / 16 * 16, rest = M - full;
-  std::vector<uint16_t> pad(rest > 0 ? 16 * K : 0, 0);  // the last chunk's rows, zero-padded to 16
-  std::vector<float> pad_sum(rest > 0 ? 16 * G : 0, 0.f);
-  if (rest > 0) {
-    std::memcpy(pad.data(), x + full * K, rest * K * sizeof(uint16_t));
-    if (xsum != nullptr) std::memcpy(pad_sum.data(), xsum + full * G, rest * G * sizeof(float));
-  }
   amx_config(16);
   alignas(64) float cbuf[16 * 16];
   // the tile's G groups unpacked (G KB: 18 KB at K = 576, 48 KB at 1,536), 64-byte aligned
@@ -445,13 +438,11 @@ void tile_kernel_amx_many(const uint16_t* x, const float* xsum, const uint8_t* w
       unpack_b<QTYPE>(tile, bball + g * 512, lut, low4);
     }
     for (int64_t i = 0; i < M; i += 16) {
-      const bool last = i == full;
-      const uint16_t* xi = last ? pad.data() : x + i * K;
-      const float* si = xsum == nullptr ? nullptr : (last ? pad_sum.data() : xsum + i * G);
-      const int64_t rows = last ? rest : 16;
-      for (int64_t r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      const int64_t rows = std::min<int64_t>(16, M - i);  // the tile multiplies 16; only these are scaled and stored
+      const float* si = xsum != nullptr ? xsum + i * G : nullptr;
+      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
       tile = tile0;
-      for (int64_t g = 0; g < G; ++g, tile += tb) amx_group<QTYPE>(xi, K, bball + g * 512, tile, si, G, g, rows, cbuf, acc);
+      for (int64_t g = 0; g < G; ++g, tile += tb) amx_group<QTYPE>(x + i * K, K, bball + g * 512, tile, si, G, g, rows, cbuf, acc);
       for (int64_t r = 0; r < rows; ++r)
         store_tile_row(acc[r], y_f32 != nullptr ? y_f32 + i * N : nullptr, y_bf16 != nullptr ? y_bf16 + i * N : nullptr, r, N, t);
     }
@@ -529,8 +520,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t qty
       xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }
-  const float* xs = qtype == QTYPE_Q4_1 ? xsum.data() : nullptr;
   const bool amx = amx_on() && amx_usable();
+  std::vector<uint16_t> xpad;  // AMX beyond 16 rows: the rows zero-padded to a multiple of 16 (tile_kernel_amx_many)
+  if (amx && M > 16 && M % 16 != 0) {
+    const int64_t Mp = (M + 15) / 16 * 16;
+    xpad.assign(Mp * K, 0);
+    std::memcpy(xpad.data(), xp, M * K * sizeof(uint16_t));
+    xp = xpad.data();
+    if (qtype == QTYPE_Q4_1) xsum.resize(Mp * G, 0.f);
+  }
+  const float* xs = qtype == QTYPE_Q4_1 ? xsum.data() : nullptr;
   pool.run((T + per - 1) / per, [&](int64_t c) {
     const int64_t t0 = c * per, t1 = std::min(T, t0 + per);
     if (qtype == QTYPE_Q4_1) tiles_all_rows<QTYPE_Q4_1>(xp, xs, wp, yf, yb, M, N, K, t0, t1, amx);

@@ -43,9 +43,10 @@ from tests.gateway.test_e2e import (  # noqa: F401  (collected here against vLLM
     MODEL, client, msgs, sse_events, test_auth_and_bad_requests, test_include_usage_chunk_rules,
     test_max_tokens_exact, test_multibyte_output_has_no_replacement_chars,
     test_openai_sdk_streams_paris_and_matches_non_stream, test_stop_string_spanning_two_tokens)
-from tests.support.golden import GOLDEN, chat_ids
+from tests.support.golden import GOLDEN
 from tests.support.polling import wait_until
 from tests.support.vllm_server import VLLM_VENV, VLLM_VERSION, VLLMServer, vllm_missing
+from training.data import chat_ids
 
 pytestmark = [pytest.mark.scaleout, pytest.mark.slow]
 

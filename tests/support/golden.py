@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from training.data import chat_ids
+
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "golden_t0.json"
 SPS_TABLE = ROOT / "tests" / "data" / "sps_table.json"
@@ -51,11 +53,6 @@ PROMPTS = [
     "Write a JavaScript function that reverses an array.",
     "Why is the sky blue?",
 ]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(s, add_special_tokens=False)
 
 
 def run_method(model, tokenizer, method: str, policy: str) -> dict[str, dict]:

@@ -13,6 +13,8 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.interface import GenerationRequest, SamplingParams, TextDelta
 from runtime.speculation import speculator as sp_mod
 from runtime.speculation.prompt_lookup import NgramIndex, ngram_survival, propose_ngram
+from tests.support.golden import SPS_TABLE
+from training.data import chat_ids
 from training.ngram import count_acceptance
 
 
@@ -67,12 +69,8 @@ def run(model, tokenizer, prompts, setup=None, **cfg):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    def ids(text):
-        s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(s, add_special_tokens=False)
-
-    return [ids("List the days of the week twice."),
-            ids("Write a haiku about autumn leaves.")]
+    return [chat_ids(tokenizer, "List the days of the week twice."),
+            chat_ids(tokenizer, "Write a haiku about autumn leaves.")]
 
 
 def test_hybrid_uses_both_proposers_and_equals_plain_decoding(target_fp32, tokenizer, prompts):
@@ -149,19 +147,25 @@ def test_a_wrong_method_policy_or_checkpoint_is_a_start_up_error(target_fp32, to
 
 def copying(tokenizer) -> list[int]:
     """A chat prompt whose reply copies a passage of it (n-gram drafts at any temperature)."""
-    text = ("Repeat this text exactly, word for word: The quick brown fox jumps over the lazy dog. "
-            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.")
-    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(s, add_special_tokens=False)
+    return chat_ids(tokenizer, "Repeat this text exactly, word for word: The quick brown fox jumps over the lazy dog. "
+                               "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.")
 
 
-def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, tokenizer, prompts):
-    """T = 1 on the served path, n-gram and DSpark drafts in the same rounds: verification gets,
-    for every verified draft token, the distribution it was drawn from — one-hot on the n-gram
-    token, the drafter's p_d (positive at the token, zero off the draft vocabulary) for DSpark —
-    in request order. A misaligned row would bias every sampled reply (speculative sampling is
-    exact only under the p_d the token came from)."""
+@pytest.mark.parametrize("dtype", ["float32", "gguf"])
+def test_sampled_rounds_hand_each_draft_its_own_p_d(request, dtype, tokenizer, prompts):
+    """T = 1, n-gram and DSpark drafts in the same rounds, on fp32 (every machine) and on the
+    served ``gguf`` path (where its kernel runs): verification gets, for every verified draft
+    token, the distribution it was drawn from — one-hot on the n-gram token, the drafter's p_d
+    (positive at the token, zero off the draft vocabulary) for DSpark — in request order. A
+    misaligned row would bias every sampled reply (speculative sampling is exact only under the
+    p_d the token came from). Every batch pairs two requests that copy their prompt (n-gram
+    drafts whatever the kernels sample) with two that do not (DSpark drafts); the budget reads
+    the committed SPS table, never this machine's cached profile or live timings."""
     import runtime.engine.llm_engine as llm_engine
+
+    if dtype == "gguf":
+        request.getfixturevalue("gguf_kernel")
+    model = request.getfixturevalue("target_gguf" if dtype == "gguf" else "target_fp32")
 
     checked = {"ngram": 0, "dspark": 0, "mixed_rounds": 0}
     proposals = []
@@ -186,9 +190,10 @@ def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, to
         return real(logits, draft_probs, draft_tokens, lengths, *args, **kw)
 
     events: dict[str, list] = {}
-    engine = LLMEngine(EngineConfig(dtype="gguf", max_batch_size=4, max_context=1024, spec_method="hybrid",
-                                    spec_policy="fixed", request_timeout_s=3600.0),
-                       lambda rid, ev: events.setdefault(rid, []).append(ev), model=target_gguf, tokenizer=tokenizer)
+    engine = LLMEngine(EngineConfig(dtype=dtype, max_batch_size=4, max_context=1024, spec_method="hybrid",
+                                    spec_policy="fixed", sps_table_path=str(SPS_TABLE), request_timeout_s=3600.0),
+                       lambda rid, ev: events.setdefault(rid, []).append(ev), model=model, tokenizer=tokenizer)
+    engine.speculator.live_cost = None
     propose = engine.speculator.propose
 
     def keep(*a, **kw):
@@ -204,12 +209,12 @@ def test_sampled_rounds_hand_each_draft_its_own_p_d(target_gguf, gguf_kernel, to
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(llm_engine, "spec_round", spy)
         mp.setattr(llm_engine, "request_generator", lambda sampling: torch.Generator().manual_seed(next(gens)))
-        # + a request that copies its prompt: n-gram drafts whatever this CPU's kernels sample
-        for i, ids in enumerate(prompts * 2 + [copying(tokenizer)] * 4):
+        copy = copying(tokenizer)
+        for i, ids in enumerate([prompts[0], copy, prompts[1], copy] * 2):
             engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=1.0, max_tokens=48)))
         while engine.has_work():
             engine.step()
-    print(checked)  # measured: 94 n-gram, 739 DSpark drafts, 17 mixed rounds (AMX); 159, 311, 11 (VDPBF16PS)
+    print(checked)  # measured on fp32: 222 n-gram, 289 DSpark drafts, 16 mixed rounds
     assert checked["ngram"] >= 30 and checked["dspark"] >= 200 and checked["mixed_rounds"] >= 8, checked
 
 

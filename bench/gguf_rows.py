@@ -59,32 +59,17 @@ def one_pass(tiles, xs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
 
 
 def engine_paths(concurrency: list[int], paths: list[str], batches: int = 7) -> dict:
-    """Decode tok/s of the AR engine per kernel path (batch 0 warms up)."""
+    """Decode tok/s of the AR engine per kernel path, T = 0 (batch 0 warms up: ``batches`` − 1 timed)."""
+    from bench.verify_cost import ab_engine_rates
     from runtime.config import EngineConfig
     from runtime.engine.llm_engine import LLMEngine
-    from runtime.interface import GenerationRequest, SamplingParams
-    from training.data import chat_ids
-    from training.evaluate import first_turns
 
-    pool = [t for task in ("mt-bench", "gsm8k", "humaneval") for t in first_turns(task)]
     out = {}
     for c in concurrency:
         eng = LLMEngine(EngineConfig(dtype="gguf", spec_method="none", max_batch_size=c, prefix_cache_blocks=0,
                                      request_timeout_s=3600.0), lambda rid, ev: None)
-        rates: dict[str, list[float]] = {p: [] for p in paths}
-        for b in range(batches):
-            ids = [chat_ids(eng.tokenizer, t) for t in pool[b * c:(b + 1) * c]]
-            for p in (paths if b % 2 == 0 else paths[::-1]):
-                torch.ops.sparkgate.set_amx(p == "amx")
-                for i, x in enumerate(ids):
-                    eng.add_request(GenerationRequest(f"{p}-{b}-{i}", x, SamplingParams(
-                        temperature=0.0, max_tokens=128, ignore_eos=True)))
-                eng.step()  # prefill + first token
-                t0 = time.perf_counter()
-                while eng.has_work():
-                    eng.step()
-                if b > 0:
-                    rates[p].append(c * 127 / (time.perf_counter() - t0))
+        switches = {p: (lambda p=p: torch.ops.sparkgate.set_amx(p == "amx")) for p in paths}
+        rates = ab_engine_rates(eng, c, batches - 1, switches, temperature=0.0)
         out[f"c{c}"] = {p: round(statistics.median(v), 1) for p, v in rates.items()}
         if len(paths) == 2:
             out[f"c{c}"]["amx_vs_vdpbf16ps_batches"] = [round(a / b, 3) for a, b in zip(*rates.values())]

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,27 +90,38 @@ def time_rounds(shapes: list[str], rounds: int, reps: int) -> dict:
     return out
 
 
-def time_engine(method: str, concurrency: list[int], batches: int, tokens: int, dtype: str) -> dict:
+def ab_engine_rates(eng: LLMEngine, c: int, batches: int, switches: dict[str, Callable[[], None]],
+                    tokens: int = 128, temperature: float = 1.0) -> dict[str, list[float]]:
+    """Decode tok/s of ``eng`` per switch, interleaved: ``batches`` + 1 batches of ``c`` fresh first
+    turns (mt-bench, gsm8k, humaneval in turn; EOS ignored, ``tokens`` each); per batch every
+    switch in turn (order reversed on odd batches), each switch run before its share. Rate of a
+    batch = completion tokens after its first step / the time they took; batch 0 warms up and is
+    not returned. Returns ``{switch: [tok/s per batch]}``."""
     pool = [t for task in ("mt-bench", "gsm8k", "humaneval") for t in first_turns(task)]
+    rates: dict[str, list[float]] = {name: [] for name in switches}
+    for b in range(batches + 1):
+        ids = [chat_ids(eng.tokenizer, t) for t in pool[b * c : (b + 1) * c]]
+        for name in (list(switches) if b % 2 == 0 else list(switches)[::-1]):
+            switches[name]()
+            for i, x in enumerate(ids):
+                eng.add_request(GenerationRequest(f"{name}-{b}-{i}", x, SamplingParams(
+                    temperature=temperature, max_tokens=tokens, ignore_eos=True)))
+            eng.step()  # prefill + first token
+            t0 = time.perf_counter()
+            while eng.has_work():
+                eng.step()
+            if b > 0:
+                rates[name].append(c * (tokens - 1) / (time.perf_counter() - t0))
+    return rates
+
+
+def time_engine(method: str, concurrency: list[int], batches: int, tokens: int, dtype: str) -> dict:
     out = {}
     for c in concurrency:
         eng = LLMEngine(EngineConfig(dtype=dtype, spec_method=method, max_batch_size=c, prefix_cache_blocks=0,
                                      request_timeout_s=3600.0, profile_on_start=method != "none"),
                         lambda rid, ev: None)
-        rates: dict[str, list[float]] = {b: [] for b in BACKENDS}
-        for b in range(batches + 1):
-            ids = [chat_ids(eng.tokenizer, t) for t in pool[b * c : (b + 1) * c]]
-            for backend in (list(BACKENDS) if b % 2 == 0 else list(BACKENDS)[::-1]):
-                use(backend)
-                for i, x in enumerate(ids):
-                    eng.add_request(GenerationRequest(f"{backend}-{b}-{i}", x, SamplingParams(
-                        temperature=1.0, max_tokens=tokens, ignore_eos=True)))
-                eng.step()  # prefill + first token
-                t0 = time.perf_counter()
-                while eng.has_work():
-                    eng.step()
-                if b > 0:  # batch 0 warms up
-                    rates[backend].append(c * (tokens - 1) / (time.perf_counter() - t0))
+        rates = ab_engine_rates(eng, c, batches, {b: (lambda b=b: use(b)) for b in BACKENDS}, tokens)
         ratios = [a / t for a, t in zip(rates["cpp"], rates["torch"])]
         out[f"c{c}"] = {"tok_s_cpp": round(statistics.median(rates["cpp"]), 1),
                         "tok_s_torch": round(statistics.median(rates["torch"]), 1),

@@ -4,6 +4,9 @@ positions written; freeing a long sequence's slot gives its pages past ``keep_to
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import pytest
 import torch
 
@@ -17,19 +20,19 @@ MIB = 2**20
 
 
 def resident_bytes(*tensors: torch.Tensor) -> int:
-    """Resident bytes of the mappings holding ``tensors`` (``/proc/self/smaps``; the kernel may
-    merge adjacent mappings, e.g. K's and V's, so a mapping is counted once, and it must not
-    reach outside the tensors)."""
-    ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-    total, lines = 0, open("/proc/self/smaps").read().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split(" ", 1)[0]
-        if "-" not in head or not all(c in "0123456789abcdef-" for c in head):
-            continue
-        lo, hi = (int(x, 16) for x in head.split("-"))
-        if any(lo < b and a < hi for a, b in ranges):
-            assert all(any(a <= p < b for a, b in ranges) for p in (lo, hi - 1)), "a mapping reaches outside"
-            total += int(next(x for x in lines[i + 1:] if x.startswith("Rss:")).split()[1]) * 1024
+    """Bytes of the pages holding ``tensors`` that this process has written: the pages'
+    ``/proc/self/pagemap`` entries that are present and mapped by this process alone (a page
+    that was only read maps the kernel's shared zero page: not counted). Reads the tensors'
+    own pages only — the kernel may merge their mapping with a neighbour's, so the mapping's
+    ``Rss`` in ``/proc/self/smaps`` can count memory that is not theirs."""
+    page, total = mmap.PAGESIZE, 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for t in tensors:
+            lo = t.data_ptr() // page
+            hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
+            f.seek(lo * 8)
+            entries = np.frombuffer(f.read((hi - lo) * 8), dtype=np.uint64)
+            total += int(np.count_nonzero((entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1))) * page
     return total
 
 

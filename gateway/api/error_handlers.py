@@ -7,8 +7,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.api.deps import require_admin, require_principal
 from gateway.core.errors import INVALID_REQUEST, SERVER_ERROR, APIError, from_validation_error, invalid_request, server_error
@@ -73,6 +74,13 @@ def install_error_handlers(app: FastAPI) -> None:
         # SQLite, DataError from asyncpg) is the client's error, not a 500
         log.info("out-of-range value on %s %s: %s", request.method, request.url.path, type(exc).__name__)
         return invalid_request("A numeric value in the request is out of range.", None, "invalid_value").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection before its body arrived (read_json_object): nobody is
+        # left to answer, and it is not a server error. 499 as nginx logs it; never delivered.
+        log.info("client disconnected while sending %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

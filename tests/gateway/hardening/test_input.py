@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
+import time
 
 import httpx
 import pytest
@@ -17,6 +20,7 @@ from tests.conftest import require_or_skip
 from tests.support.fakes import FakeBackend
 from tests.support.gateway_fixtures import MODEL, chat, make_settings, sqlite_url
 from tests.support.hardening_util import assert_openai_error_shape, serve_in_thread
+from tests.support.polling import wait_until
 
 try:
     import schemathesis
@@ -186,6 +190,42 @@ def test_chunked_body_over_limit_413(server):
     r = httpx.post(base + URL, content=gen(), headers={"Authorization": f"Bearer {key}"}, timeout=30)
     assert r.status_code == 413
     assert assert_openai_error_shape(r)["code"] == "request_too_large"
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_server_error(server):
+    """The connection closes after half the declared body: the gateway logs the disconnect at
+    INFO and nothing at ERROR (before: a ClientDisconnect traceback as an unhandled 500), no
+    request reaches the engine, and the server keeps serving."""
+    base, _, backend, _ = server
+    key = fresh_key(server)
+    n = len(backend.requests)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep, loggers = Keep(level=logging.INFO), [logging.getLogger("gateway"), logging.getLogger("uvicorn.error")]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(keep)
+        lg.setLevel(logging.INFO)
+    try:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(f"POST {URL} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+                      + b'{"model": "' + MODEL.encode() + b'", "messages": [')
+            time.sleep(0.2)
+        wait_until(lambda: any("client disconnected" in r.getMessage() or r.levelno >= logging.ERROR for r in records),
+                   "the disconnect's log line")
+    finally:
+        for lg, level in zip(loggers, before):
+            lg.removeHandler(keep)
+            lg.setLevel(level)
+    assert [r.getMessage() for r in records if r.levelno >= logging.ERROR] == []
+    assert len(backend.requests) == n
+    assert httpx.post(base + URL, json=chat("hi"), headers={"Authorization": f"Bearer {key}"}).status_code == 200
 
 
 def test_admin_route_body_limit_413(server):

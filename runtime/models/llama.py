@@ -89,6 +89,15 @@ class LlamaConfig:
 
 #: fp32 inputs of 2..SMALL_M_MAX rows go through ``W·Xᵀ`` (:func:`linear`)
 SMALL_M_MAX = 32
+#: Row counts that ``W·Xᵀ`` runs slower than a larger one, and the count to pad them to.
+_FP32_PAD = {3: 4, 7: 8, **{m: 16 for m in range(10, 16)}, 19: 24, 21: 24, 22: 24, 23: 24,
+             26: 32, 27: 32, 29: 32, 30: 32, 31: 32}
+#: ``FP32_PADDED_ROWS[m]``: the rows ``W·Xᵀ`` computes for ``m`` fp32 input rows (m ≤ SMALL_M_MAX):
+#: ``m`` itself, or more (zero rows appended) where that whole decode step is faster. Measured on
+#: the AVX2-only EPYC (MKL, 2 threads; bench/fp32_gemm.py --routes wxt padded, docs/benchmarks.md
+#: "fp32 row padding"): 3 → 4 rows 1.39×, 7 → 8 1.18×, 10–15 → 16 1.13–1.44×, 19–23 → 24
+#: 1.14–1.25×, 27/31 → 32 1.30×; counts where padding measured 0.90–0.99× (5, 6, 9, 17, 20, …) stay.
+FP32_PADDED_ROWS: tuple[int, ...] = tuple(_FP32_PAD.get(m, m) for m in range(SMALL_M_MAX + 1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -107,16 +116,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
       EPYC (2 threads, where ``dtype=auto`` serves fp32) ``F.linear`` with 2 rows took 1.8×
       the one-row step, as if every row read the weights again; through ``W·Xᵀ`` a whole
       decode step is 2.0× / 1.9× / 1.4× / 1.2× faster at batch 2 / 4 / 16 / 32
-      (docs/benchmarks.md "fp32 small-batch GEMM"). The sums run in another order: outputs
+      (docs/benchmarks.md "fp32 small-batch GEMM"). MKL runs some row counts slower than the
+      next larger one (7 rows 1.18× slower than 8, 15 rows 1.44× slower than 16): those are
+      padded with zero rows (:data:`FP32_PADDED_ROWS`). The sums run in another order: outputs
       agree with ``F.linear`` to fp32 rounding, not bitwise. The result is made contiguous:
       a transposed view both slowed the ops after it and broke the grammar mask, which
       writes the logits' memory in row order (tests/runtime/speculation/test_spec_gateway.py).
     """
     if x.dim() == 2 and x.device.type == "cpu":
-        if x.shape[0] == 1:
+        m = x.shape[0]
+        if m == 1:
             return torch.mv(weight, x[0]).unsqueeze(0)
-        if x.dtype == torch.float32 and x.shape[0] <= SMALL_M_MAX:
-            return torch.mm(weight, x.t()).t().contiguous()
+        if x.dtype == torch.float32 and m <= SMALL_M_MAX:
+            p = FP32_PADDED_ROWS[m]
+            if p != m:  # a row count the GEMM runs slower than a larger one: zero rows appended
+                x = torch.cat([x, x.new_zeros(p - m, x.shape[1])])
+            return torch.mm(weight, x.t())[:, :m].t().contiguous()
     return F.linear(x, weight)
 
 

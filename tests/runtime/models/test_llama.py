@@ -96,6 +96,18 @@ def test_span_start_must_match_cache(target_fp32):
         target_fp32.forward(torch.arange(17), [SeqSpan(s, 0, 17)], cache)
 
 
+def test_fp32_row_padding_only_ever_adds_rows_and_is_stable():
+    """FP32_PADDED_ROWS pads a row count to at least itself, never past SMALL_M_MAX, and a padded
+    count is left as is (padding twice would change the GEMM again); 1 row (torch.mv) never pads."""
+    from runtime.models.llama import FP32_PADDED_ROWS, SMALL_M_MAX
+
+    assert len(FP32_PADDED_ROWS) == SMALL_M_MAX + 1 and FP32_PADDED_ROWS[1] == 1
+    for m in range(1, SMALL_M_MAX + 1):
+        p = FP32_PADDED_ROWS[m]
+        assert m <= p <= SMALL_M_MAX and FP32_PADDED_ROWS[p] == p, (m, p)
+    assert [FP32_PADDED_ROWS[m] for m in (3, 7, 15, 31)] == [4, 8, 16, 32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_row_linear_is_bitwise_f_linear(dtype):
     """``linear`` (torch.mv for one row) equals F.linear: bitwise in fp32 (fp32 with 2..SMALL_M_MAX
@@ -119,11 +131,12 @@ def test_one_row_linear_is_bitwise_f_linear(dtype):
     g = torch.Generator().manual_seed(0)
     for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
         w = torch.randn(out_f, in_f, generator=g).to(dtype)
-        for rows in (1, 2, 7, 33):
+        for rows in (1, 2, 3, 7, 15, 33):  # 3, 7, 15: padded to 4, 8, 16 rows (FP32_PADDED_ROWS)
             x = torch.randn(rows, in_f, generator=g).to(dtype)
             if dtype == torch.float32 and 1 < rows <= SMALL_M_MAX:  # W·Xᵀ: fp32 rounding, against fp64
                 exact = F.linear(x.double(), w.double())
                 assert linear(x, w).is_contiguous()  # the grammar mask writes logits in row order
+                assert linear(x, w).shape == (rows, out_f)
                 err = (linear(x, w).double() - exact).abs().max().item()
                 assert err <= 1e-5 * exact.abs().max().item(), (rows, out_f, err)
             else:

@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -283,8 +284,18 @@ def profile(
     key: Mapping[str, Any] | None = None,
     enforce_throughput: bool = True,
     note: str = "",
+    seed: int = 0,
 ) -> SpsTable:
-    """Measure SPS(B, context) by timing full engine rounds.
+    """Measure SPS(B, context) by timing full engine rounds, all cells interleaved.
+
+    ``warmup`` untimed passes, then ``repeats`` timed passes; every pass runs each
+    (context, B) cell once, in an order shuffled per pass. Timing a cell's repeats back to
+    back let a slow spell of the machine (another tenant, frequency, page cache) land on
+    whole cells: on the 2-core EPYC two profiles of the same engine 90 minutes apart
+    disagreed by up to 34 % per cell (8 tokens: 114 vs 152 ms), and a slow first cell
+    (B = 1) raised every small-B cell through the running minimum. Interleaved, a slow
+    spell as long as a pass touches each cell at most twice, which the median of ≥ 5
+    repeats ignores.
 
     Args:
         round_fn: ``round_fn(B, context_len) -> seconds``: runs one full engine round
@@ -295,6 +306,7 @@ def profile(
         repeats: timed calls per cell; the median is kept (robust to hiccups).
         warmup: untimed calls per cell before the timed ones (results discarded).
         key, enforce_throughput, note: passed to :class:`SpsTable`.
+        seed: seed of the per-pass cell order.
 
     Returns:
         The monotonised table (``sps = 1 / median seconds`` before monotonisation).
@@ -307,20 +319,18 @@ def profile(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
-    rows: list[list[float]] = []
-    for ctx in context_lens:
-        row = []
-        for B in buckets:
-            for _ in range(warmup):
-                round_fn(int(B), int(ctx))
-            times = []
-            for _ in range(repeats):
-                t = float(round_fn(int(B), int(ctx)))
-                if not (math.isfinite(t) and t > 0.0):
-                    raise ValueError(f"round_fn({B}, {ctx}) returned {t!r} seconds")
-                times.append(t)
-            row.append(1.0 / statistics.median(times))
-        rows.append(row)
+    cells = [(int(ctx), int(B)) for ctx in context_lens for B in buckets]
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+    order = random.Random(seed)
+    for p in range(warmup + repeats):
+        order.shuffle(cells)
+        for ctx, B in cells:
+            t = float(round_fn(B, ctx))
+            if not (math.isfinite(t) and t > 0.0):
+                raise ValueError(f"round_fn({B}, {ctx}) returned {t!r} seconds")
+            if p >= warmup:
+                times[(ctx, B)].append(t)
+    rows = [[1.0 / statistics.median(times[(int(ctx), int(B))]) for B in buckets] for ctx in context_lens]
     return SpsTable(
         buckets, context_lens, rows, key=key, enforce_throughput=enforce_throughput, note=note
     )

@@ -139,18 +139,26 @@ def test_cache_hit_and_key_mismatch(tmp_path):
 
 def test_profile_with_synthetic_round_fn():
     # affine cost: 20 ms + 1 ms/token beyond 8 tokens + 10 µs per context token;
-    # every 4th call is a 10x hiccup which the median must ignore.
+    # every 7th call of the first two passes is a 10x hiccup (≤ 1 per cell), and one slow spell
+    # (3x) lasts a whole pass's worth of calls, starting mid-pass (≤ 2 per cell): the
+    # interleaved passes + median of 7 must ignore both. (Timing a cell's repeats back to back,
+    # the spell covers two whole cells and corrupts them.)
     calls = []
+    buckets, ctxs = [1, 2, 4, 8, 16, 32], [100, 1000]
+    n = len(buckets) * len(ctxs)
+    spell = range(2 * n + n // 2, 3 * n + n // 2)  # call indices of the slow spell (a timed pass's length)
 
     def round_fn(B: int, ctx: int) -> float:
         calls.append((B, ctx))
         base = 0.020 + 0.001 * max(0, B - 8) + 1e-5 * ctx
-        return base * (10.0 if len(calls) % 4 == 0 else 1.0)
+        i = len(calls) - 1
+        return base * (10.0 if len(calls) % 7 == 0 and i < 2 * n else 1.0) * (3.0 if i in spell else 1.0)
 
-    buckets, ctxs = [1, 2, 4, 8, 16, 32], [100, 1000]
-    t = profile(round_fn, buckets, ctxs, repeats=5, warmup=1, key=_key())
-    assert len(calls) == len(buckets) * len(ctxs) * (5 + 1)
-    assert calls[0] == (1, 100) and calls[-1] == (32, 1000)
+    t = profile(round_fn, buckets, ctxs, repeats=7, warmup=1, key=_key())
+    assert len(calls) == n * (7 + 1)
+    for p in range(8):  # every pass visits every cell once, in a shuffled order
+        assert sorted(calls[p * n:(p + 1) * n]) == sorted((B, c) for B in buckets for c in ctxs)
+    assert calls[n:2 * n] != calls[2 * n:3 * n]
     for i, ctx in enumerate(ctxs):
         for j, B in enumerate(buckets):
             expect = 1.0 / (0.020 + 0.001 * max(0, B - 8) + 1e-5 * ctx)

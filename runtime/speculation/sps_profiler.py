@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PROFILE_VERSION",
+    "DENSE_BUCKETS",
     "DEFAULT_CONTEXT_LENS",
     "EngineRoundFn",
     "split_budget",
@@ -134,15 +135,30 @@ def split_budget(B: int, gamma: int) -> list[int]:
     return [q - 1 + (1 if i < rem else 0) for i in range(r)]
 
 
+#: Every verified-row count up to this one is a bucket of its own (see :func:`profile_buckets`).
+DENSE_BUCKETS = 16
+
+
 def profile_buckets(max_requests: int, gamma: int) -> list[int]:
-    """Powers of two up to the largest possible B = max_requests·(1+γ) (that B appended
-    when it is not a power of two): e.g. 16 requests, γ = 7 → 1, 2, 4, …, 128."""
+    """Every B from 1 to :data:`DENSE_BUCKETS`, then 17, 24, 32, 48, 64, 96, 128, … (powers of
+    two and the midpoints between them) below the largest possible B = max_requests·(1+γ),
+    then that B: e.g. 16 requests, γ = 7 → 1, 2, …, 16, 17, 24, 32, 48, 64, 96, 128.
+
+    A round's cost is a step function of its rows at small B, which interpolating between
+    powers of two hides: on the AVX2 EPYC (fp32, MKL) 4 rows cost about 1 row but 5 rows
+    +28–50 % (bench/round_shapes.py; served c = 4 rounds with one n-gram row: 105.6 vs 67.2 ms,
+    where a 1/2/4/8 table interpolated +6 %), and 16 rows cost less than 10–15 unpadded.
+    17 catches the step past 16 rows (a batch of 16 plus one draft)."""
     top = max(1, max_requests * (1 + gamma))
-    out, b = [], 1
+    out = list(range(1, min(top, DENSE_BUCKETS) + 1))
+    b = DENSE_BUCKETS
+    extra = [DENSE_BUCKETS + 1]
     while b < top:
-        out.append(b)
+        extra += [b + b // 2, 2 * b]
         b *= 2
-    out.append(top)
+    out += [x for x in extra if out[-1] < x < top]
+    if out[-1] != top:
+        out.append(top)
     return out
 
 
@@ -184,10 +200,17 @@ class EngineRoundFn:
         self.calls = 0
 
     def __call__(self, B: int, ctx_len: int) -> float:
-        lengths = split_budget(int(B), self.gamma)
+        return self.time_round(split_budget(int(B), self.gamma), ctx_len)
+
+    def time_round(self, lengths: Sequence[int], ctx_len: int) -> float:
+        """Seconds of one round verifying ``len(lengths)`` requests with ``lengths[r]`` drafts
+        each (each ≤ γ), every context ``ctx_len`` tokens (bench/round_shapes.py times served shapes)."""
+        lengths = [int(l) for l in lengths]
+        if not lengths or min(lengths) < 0 or max(lengths) > self.gamma:
+            raise ValueError(f"need 1+ requests with 0..γ={self.gamma} drafts each, got {lengths}")
         r = len(lengths)
         if self.cache.num_free < r:
-            raise ValueError(f"B={B} needs {r} free KV slots, {self.cache.num_free} free")
+            raise ValueError(f"{r} requests need {r} free KV slots, {self.cache.num_free} free")
         if ctx_len + self.gamma + 1 > self.cache.max_len:
             raise ValueError(f"ctx_len {ctx_len} + γ + 1 exceeds the KV slot ({self.cache.max_len})")
         V = self.model.cfg.vocab_size
@@ -340,7 +363,7 @@ def profile_table(
 ) -> SpsTable:
     """Profile an SPS table by timing ``round_fn(B, ctx_len) -> seconds``.
 
-    Buckets: :func:`profile_buckets` (powers of two up to ``max_requests·(1+γ)``);
+    Buckets: :func:`profile_buckets` (every B to 16, then sparser up to ``max_requests·(1+γ)``);
     contexts: :func:`profile_context_lens`. The table carries ``key`` (see
     :func:`sps_cache_key`) and, if ``save``, is written to :func:`sps_cache_dir`.
 

@@ -63,9 +63,12 @@ def test_split_budget_and_buckets():
         ells = sp.split_budget(B, 7)
         assert sum(1 + l for l in ells) == B and all(0 <= l <= 7 for l in ells)
         assert len(ells) == math.ceil(B / 8)
-    assert sp.profile_buckets(16, 7) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert sp.profile_buckets(2, 3) == [1, 2, 4, 8]
-    assert sp.profile_buckets(3, 4) == [1, 2, 4, 8, 15]
+    # every B to 16 (a round's cost steps at small B), then 17, 24, 32, 48, … and the top
+    assert sp.profile_buckets(16, 7) == list(range(1, 18)) + [24, 32, 48, 64, 96, 128]
+    assert sp.profile_buckets(16, 4) == list(range(1, 18)) + [24, 32, 48, 64, 80]
+    assert sp.profile_buckets(2, 3) == list(range(1, 9))
+    assert sp.profile_buckets(3, 4) == list(range(1, 16))
+    assert sp.profile_buckets(1, 0) == [1]
     assert sp.profile_context_lens(2048, 7) == [256, 1024]
     assert sp.profile_context_lens(512, 7) == [256, 503]
 
@@ -86,7 +89,13 @@ def test_round_fn_times_real_rounds_and_restores_caches(target_fp32, tokenizer, 
         rf(9, 16)  # needs 3 slots, the engine has 2
     with pytest.raises(ValueError):
         rf(1, 513)  # context + γ + 1 > the KV slot (512 + 1 + γ)
-    assert engine.cache.num_free == 2
+    # explicit served shapes (bench/round_shapes.py): 2 requests with 0 and 3 drafts
+    t = rf.time_round([0, 3], 32)
+    assert math.isfinite(t) and 0.0 < t < 30.0 and rf.calls == 5
+    for bad in ([], [4], [-1, 0], [1, 1, 1]):  # none, > γ = 3, negative, 3 slots of 2
+        with pytest.raises(ValueError):
+            rf.time_round(bad, 16)
+    assert engine.cache.num_free == 2 and engine.cache.lengths == [0, 0]
 
 
 def test_profile_disabled_uses_fallback_and_never_profiles(target_fp32, tokenizer, fake_round):
@@ -102,7 +111,7 @@ def test_profile_disabled_uses_fallback_and_never_profiles(target_fp32, tokenize
 
 def test_profile_on_start_profiles_once_then_hits_cache(target_fp32, tokenizer, fake_round):
     engine = make(target_fp32, tokenizer, profile_on_start=True)
-    buckets, ctxs = [1, 2, 4, 8], [256, 507]  # B ≤ 2 requests × (1+γ); 1024 clipped to 512 − γ − 2
+    buckets, ctxs = list(range(1, 9)), [256, 507]  # B ≤ 2 requests × (1+γ); 1024 clipped to 512 − γ − 2
     per_cell = sp.DEFAULT_WARMUP + sp.DEFAULT_REPEATS
     # one table for sampled batches (T = 1) and one for greedy batches (T = 0)
     assert len(fake_round.calls) == len(buckets) * len(ctxs) * per_cell * len(sp.PROFILE_TEMPERATURES)
@@ -133,9 +142,9 @@ def test_cache_key_mismatch_reprofiles(target_fp32, tokenizer, fake_round):
     n = len(fake_round.calls)
     assert n > 0
     other = make(target_fp32, tokenizer, profile_on_start=True, num_speculative_tokens=2)  # γ differs
-    assert sp.profile_buckets(2, 2) == [1, 2, 4, 6]
-    # 4 buckets × 2 contexts × (warm-up + repeats) × 2 temperatures
-    assert len(fake_round.calls) == n + 4 * 2 * (sp.DEFAULT_WARMUP + sp.DEFAULT_REPEATS) * 2
+    assert sp.profile_buckets(2, 2) == [1, 2, 3, 4, 5, 6]
+    # 6 buckets × 2 contexts × (warm-up + repeats) × 2 temperatures
+    assert len(fake_round.calls) == n + 6 * 2 * (sp.DEFAULT_WARMUP + sp.DEFAULT_REPEATS) * 2
     assert other.speculator.sps_table.key["gamma"] == 2
     # a cache file whose stored key differs (hand-edited) is not trusted
     key = sp.sps_cache_key(other.config, other.model, other.speculator)

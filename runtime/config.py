@@ -85,8 +85,8 @@ class EngineConfig:
             committed ``tests/data/sps_table.json``). ``None`` → the cached profile
             matching this engine, else the fallback table.
         profile_on_start: when speculating and no cached profile matches, profile the SPS
-            table at start-up (bounded: ~10–20 s on the 2-core CPU, see
-            ``runtime.engine.profile``) and cache it. ``False`` (the engine's default;
+            tables at start-up (bounded: about a minute each for T = 1 and T = 0 on the 2-core
+            CPUs, see ``runtime.engine.profile``) and cache them. ``False`` (the engine's default;
             tests) never profiles: cached profile or fallback table. The server's default is on.
         prefix_cache_blocks: capacity of the automatic prefix cache
             (:mod:`runtime.engine.prefix_cache`) in blocks of ``prefix_block_size`` tokens;

@@ -31,7 +31,8 @@ forward — and DSpark profiles it once at start-up. This module supplies
 * :func:`ensure_profiled` — called by :class:`runtime.engine.llm_engine.LLMEngine` at start-up
   when ``EngineConfig.profile_on_start`` is true: keep a loaded profile, else
   profile now (≈ buckets × contexts × (warm-up + repeats) rounds; on the 2-core CPU
-  with the defaults 8 × 2 × (1 + 3) = 64 rounds, about 10–20 s in bf16) and cache it.
+  with the defaults at `max_batch_size` 16, γ = 4: 22 buckets × 2 contexts × (2 + 7) = 396 rounds per
+  temperature, 65–83 s in fp32 on the 2-core Zen 3 EPYC) and cache it.
 The profiler takes a round function; it never imports the engine loop.
 :mod:`runtime.engine.profile` builds the engine's round function, profiles an idle
 engine at start-up (``ensure_profiled``) and is the ``sparkgate profile`` command.

@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--routes", nargs="+", default=["f_linear", "wxt"], choices=["f_linear", "wxt", "padded", "current"])
+    ap.add_argument("--routes", nargs="+", default=["f_linear", "wxt"],
+                    choices=["f_linear", "wxt", "padded", "current"])
     ap.add_argument("--pad-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 24, 32])
     args = ap.parse_args()
     model = load_target(ensure_converted(), "float32", args.threads)

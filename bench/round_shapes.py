@@ -45,7 +45,8 @@ def main() -> None:
     engine = LLMEngine(cfg, lambda rid, ev: None)
     fn = sps_profiler.make_round_fn(engine.model, engine.speculator, engine.cache, args.temperature)
     committed = llama.FP32_PADDED_ROWS
-    modes = {"plain": tuple(range(llama.SMALL_M_MAX + 1)), "padded": committed} if args.ab_padding else {"as_is": committed}
+    unpadded = tuple(range(llama.SMALL_M_MAX + 1))
+    modes = {"plain": unpadded, "padded": committed} if args.ab_padding else {"as_is": committed}
     cells = [(r, d) for r in args.requests for d in args.drafts]
 
     def run(r: int, d: int, mode: str) -> float:

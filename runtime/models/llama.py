@@ -94,8 +94,8 @@ _FP32_PAD = {3: 4, 7: 8, **{m: 16 for m in range(10, 16)}, 19: 24, 21: 24, 22: 2
              26: 32, 27: 32, 29: 32, 30: 32, 31: 32}
 #: ``FP32_PADDED_ROWS[m]``: the rows ``W·Xᵀ`` computes for ``m`` fp32 input rows (m ≤ SMALL_M_MAX):
 #: ``m`` itself, or more (zero rows appended) where that whole decode step is faster. Measured on
-#: the AVX2-only EPYC (MKL, 2 threads; bench/fp32_gemm.py --routes wxt padded, docs/benchmarks.md
-#: "fp32 row padding"): 3 → 4 rows 1.39×, 7 → 8 1.18×, 10–15 → 16 1.13–1.44×, 19–23 → 24
+#: the Zen 3 EPYC (AVX2 only, MKL, 2 threads; bench/fp32_gemm.py --routes wxt padded, docs/benchmarks.md
+#: "Pricing verified rows on the Zen 3 EPYC"): 3 → 4 rows 1.39×, 7 → 8 1.18×, 10–15 → 16 1.13–1.44×, 19–23 → 24
 #: 1.14–1.25×, 27/31 → 32 1.30×; counts where padding measured 0.90–0.99× (5, 6, 9, 17, 20, …) stay.
 FP32_PADDED_ROWS: tuple[int, ...] = tuple(_FP32_PAD.get(m, m) for m in range(SMALL_M_MAX + 1))
 

@@ -38,8 +38,9 @@ The profiler takes a round function; it never imports the engine loop.
 engine at start-up (``ensure_profiled``) and is the ``sparkgate profile`` command.
 
 Smoothing / monotonisation is :class:`runtime.speculation.sps.SpsTable`'s: median of the
-repeats per cell (the cells' rounds interleaved, :func:`runtime.speculation.sps.profile`), running minimum of SPS along B, B·SPS(B) made non-decreasing,
-running minimum along context length; lookups interpolate the round time linearly.
+repeats per cell (the cells' rounds interleaved, :func:`runtime.speculation.sps.profile`),
+running minimum of SPS along B, B·SPS(B) made non-decreasing, running minimum along
+context length; lookups interpolate the round time linearly.
 
 Cache location: ``runtime.config.cache_dir() / "sps"`` (i.e.
 ``$SPARKGATE_CACHE_DIR/sps``), one ``sps-<hash(key)>.json`` per key.
@@ -384,7 +385,8 @@ def profile_table(
     cost = time.perf_counter() - t0
     table.note = (
         f"profiled by runtime.speculation.sps_profiler in {cost:.1f} s: median of {repeats} timed rounds "
-        f"(+{warmup} warm-up) per cell, cells interleaved in shuffled passes; B tokens over ceil(B/(1+γ)) requests, verification only, T={temperature:g}"
+        f"(+{warmup} warm-up) per cell, cells interleaved in shuffled passes; B tokens over ceil(B/(1+γ)) requests, "
+        f"verification only, T={temperature:g}"
     )
     log.info("SPS profile took %.1f s (%d rounds)", cost, len(buckets) * len(ctxs) * (repeats + warmup))
     if save:

@@ -5,7 +5,9 @@ interleaved in one process on the same KV cache:
 * ``wxt``: ``(W·Xᵀ)ᵀ`` on exactly the B rows;
 * ``padded``: ``(W·Xᵀ)ᵀ`` on B rows padded with zero rows to the next of ``--pad-sizes``
   (how ``FP32_PADDED_ROWS`` was chosen);
-* ``current``: ``linear`` as committed (its ``FP32_PADDED_ROWS``).
+* ``unpacked``: ``linear`` as committed but without the MKL-packed weights (``W·Xᵀ`` padded to
+  ``FP32_PADDED_ROWS``: the route before packing);
+* ``current``: ``linear`` as committed (packed weights for 2..``PACKED_M_MAX`` rows where MKL packs).
 
 Per batch size B: B slots prefilled with ``--context`` random tokens, then ``--rounds`` rounds
 that each time 4 decode steps (one new token per slot, LM head on every row) with every route
@@ -35,7 +37,7 @@ from runtime.models.llama import SeqSpan, load_target  # noqa: E402
 from runtime.models.loader import ensure_converted  # noqa: E402
 
 
-def f_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def f_linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """The route before ``W·Xᵀ``: one row as ``torch.mv``, more through ``F.linear``."""
     if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
         return torch.mv(w, x[0]).unsqueeze(0)
@@ -54,14 +56,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--routes", nargs="+", default=["f_linear", "wxt"],
-                    choices=["f_linear", "wxt", "padded", "current"])
+                    choices=["f_linear", "wxt", "padded", "unpacked", "current"])
     ap.add_argument("--pad-sizes", type=int, nargs="+", default=[2, 4, 8, 16, 24, 32])
     args = ap.parse_args()
     model = load_target(ensure_converted(), "float32", args.threads)
     current, committed = llama.linear, llama.FP32_PADDED_ROWS
     pads = {"f_linear": committed, "wxt": tuple(range(llama.SMALL_M_MAX + 1)), "padded": padding(args.pad_sizes),
-            "current": committed}
-    funcs = {"f_linear": f_linear, "wxt": current, "padded": current, "current": current}
+            "unpacked": committed, "current": committed}
+
+    def unpacked(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+        return current(x, w, None)
+
+    funcs = {"f_linear": f_linear, "wxt": unpacked, "padded": unpacked, "unpacked": unpacked, "current": current}
     for B in args.batch:
         cache = model.new_cache(B, args.context + 64)
         for s in range(B):

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from runtime.engine.sampler import SamplingBatch
-from runtime.models.llama import linear
+from runtime.models.llama import linear, pack_linears_, pack_weight
 from runtime.speculation.drafter import DraftContextCache, DSparkDrafter
 from runtime.speculation.fast_drafter import FastDraft, markov_columns, sample_over_vocab
 
@@ -50,6 +50,10 @@ class VocabDrafter:
         self.vocab = draft_vocab.to(device)
         self.head = drafter.target.lm_head_weight.detach()[self.vocab].contiguous()  # [N, d], target dtype
         self.w2_sub_t = markov_columns(drafter, self.vocab)
+        # fp32 on the CPU: the backbone's projections and the head multiply MKL-packed copies
+        # (llama.linear: a 4-row GEMM re-packed its weights every call); None elsewhere
+        pack_linears_(drafter)
+        self.head_packed = pack_weight(self.head)
 
     def extend_context(self, cache: DraftContextCache, taps: torch.Tensor, slots: Sequence[int], counts: Sequence[int]) -> None:
         """:meth:`DSparkDrafter.extend_context` (the context does not depend on the vocabulary)."""
@@ -69,5 +73,5 @@ class VocabDrafter:
             raise ValueError(f"block_size {gamma} not in [1, {d.cfg.block_size}]")
         hidden = d.forward_block(d.block_inputs(anchors, gamma), slots, cache)  # [B, γ, d]
         B, _, dim = hidden.shape
-        base = linear(hidden.reshape(B * gamma, dim), self.head).float().view(B, gamma, -1)  # U over the N tokens
+        base = linear(hidden.reshape(B * gamma, dim), self.head, self.head_packed).float().view(B, gamma, -1)  # U over the N tokens
         return sample_over_vocab(d, self.vocab, self.w2_sub_t, base, hidden, anchors.long(), sampling)

@@ -77,6 +77,19 @@ def test_with_the_whole_vocabulary_it_is_the_reference_drafter(setup):
     assert (got.dense_probs([g]) - ref.dense_probs([g])).abs().max() < 1e-5
 
 
+def test_an_fp32_vocab_drafter_multiplies_packed_weights(setup):
+    """Off the gguf path in fp32 the draft head and every backbone projection carry MKL-packed
+    copies (llama.linear's packed route: a draft block is 4+ rows), where this torch packs."""
+    from runtime.models.llama import Linear, mkl_packing_available
+
+    drafter, _, _ = setup
+    vd = VocabDrafter(drafter, torch.arange(0, V, 6))
+    linears = [m for m in drafter.modules() if isinstance(m, Linear)]
+    assert linears and vd.head.dtype == torch.float32
+    packed = mkl_packing_available()
+    assert all((m.packed is not None) == packed for m in linears) and (vd.head_packed is not None) == packed
+
+
 def test_the_draft_vocabulary_restricts_p_d_and_the_greedy_argmax(setup):
     """The committed 8,192-token vocabulary: p_d zero outside it and summing to 1, slot 1's
     p_d the reference's softmax renormalised over it, greedy x_1 its argmax there."""

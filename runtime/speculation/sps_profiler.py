@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import random
 import time
@@ -90,6 +91,8 @@ __all__ = [
     "ensure_profiled",
     "initial_sps_table",
     "profile_table",
+    "other_cpu_load",
+    "BUSY_CORES_LIMIT",
 ]
 
 #: Bump when the meaning of a profiled round changes (what round_fn times).
@@ -102,6 +105,9 @@ DEFAULT_WARMUP = 2
 GLOBAL_WARMUP_S = 0.5
 #: Temperatures with a table of their own: sampled (1.0) and greedy (0.0) batches.
 PROFILE_TEMPERATURES = (1.0, 0.0)
+#: Mean CPU (in cores) that OTHER processes may use while a profile runs before its table is
+#: used for this run only, not cached (:func:`other_cpu_load`).
+BUSY_CORES_LIMIT = 0.5
 
 _ROOT = Path(__file__).resolve().parents[2]  # the repository
 #: Sources whose code runs inside a profiled round, whose hash is the engine version: every
@@ -114,6 +120,45 @@ def _hot_path() -> list[str]:
     """The runtime package's sources, repository-relative, sorted."""
     return sorted(str(p.relative_to(_ROOT)) for p in (_ROOT / "runtime").rglob("*")
                   if p.suffix in _HOT_PATH_SUFFIXES and p.is_file())
+
+
+def other_cpu_load() -> Callable[[], float]:
+    """Start measuring the CPU that processes other than this one use. Returns a function
+    giving their mean load in cores since the start: busy time of the whole machine from
+    ``/proc/stat`` (user, nice, system, irq, softirq, steal: a VM's stolen time slows a profile
+    too) minus this process's own CPU time (``os.times``, all threads), per wall second.
+    Returns 0 where ``/proc/stat`` cannot be read.
+
+    Why: on the 2-core Ice Lake Xeon a profile taken while another process ran for a minute
+    priced 2 verified rows at 75 ms against 42 ms on an idle machine; cached, the table kept
+    the hybrid at 95–99 % plain rounds on every later start (docs/benchmarks.md, "Packed fp32
+    weights"), and measured round costs (live_cost.py) cannot correct rows never drafted."""
+
+    def busy_seconds() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if not fields or fields[0] != "cpu":
+            return None
+        ticks = [int(x) for x in fields[1:9]] + [0] * 8
+        user, nice, system, _idle, _iowait, irq, softirq, steal = ticks[:8]
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    def own_seconds() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    wall0, busy0, own0 = time.perf_counter(), busy_seconds(), own_seconds()
+
+    def load() -> float:
+        busy, wall = busy_seconds(), time.perf_counter() - wall0
+        if busy is None or busy0 is None or wall <= 0:
+            return 0.0
+        return max(0.0, (busy - busy0) - (own_seconds() - own0)) / wall
+
+    return load
 
 
 # ------------------------------------------------------------------ geometry
@@ -367,13 +412,16 @@ def profile_table(
 
     Buckets: :func:`profile_buckets` (every B to 16, then sparser up to ``max_requests·(1+γ)``);
     contexts: :func:`profile_context_lens`. The table carries ``key`` (see
-    :func:`sps_cache_key`) and, if ``save``, is written to :func:`sps_cache_dir`.
+    :func:`sps_cache_key`) and, if ``save``, is written to :func:`sps_cache_dir` — unless other
+    processes used more than :data:`BUSY_CORES_LIMIT` cores meanwhile (:func:`other_cpu_load`):
+    such a table serves this run and is not cached.
 
     Returns:
         The monotonised :class:`SpsTable` (its ``note`` records the cost in seconds).
     """
     buckets = profile_buckets(max_requests, gamma)
     ctxs = profile_context_lens(max_context, gamma, context_lens)
+    others = other_cpu_load()
     t0 = time.perf_counter()
     # The first rounds after start-up or idle run slow (measured: 15.8 ms for B = 1 against
     # 7.0 ms once warm, through the first cell's warm-up and repeats), and B = 1 is the first
@@ -389,7 +437,12 @@ def profile_table(
         f"verification only, T={temperature:g}"
     )
     log.info("SPS profile took %.1f s (%d rounds)", cost, len(buckets) * len(ctxs) * (repeats + warmup))
-    if save:
+    busy = others()
+    if save and busy > BUSY_CORES_LIMIT:
+        log.warning("other processes used %.2f CPU cores during the SPS profile (limit %.2f): its table is used "
+                    "for this run but not cached; the next start profiles again", busy, BUSY_CORES_LIMIT)
+        table.note += f"; not cached: other processes used {busy:.2f} cores"
+    elif save:
         path = sps_mod.save_cached(table, sps_cache_dir())
         log.info("SPS profile cached at %s", path)
     return table

@@ -137,6 +137,45 @@ def test_profile_on_start_profiles_once_then_hits_cache(target_fp32, tokenizer, 
         assert again.speculator.sps_table.to_dict() == table.to_dict()
 
 
+def test_a_profile_taken_on_a_busy_machine_is_used_but_not_cached(target_fp32, tokenizer, fake_round, monkeypatch):
+    """Other processes above BUSY_CORES_LIMIT during the profile: the engine serves with the
+    table it measured, nothing is cached, and the next start profiles again; idle: cached."""
+    load = {"cores": sp.BUSY_CORES_LIMIT + 0.5}
+    monkeypatch.setattr(sp, "other_cpu_load", lambda: lambda: load["cores"])
+    engine = make(target_fp32, tokenizer, profile_on_start=True)
+    n = len(fake_round.calls)
+    key = sp.sps_cache_key(engine.config, engine.model, engine.speculator)
+    assert n > 0 and engine.speculator.sps_table.key == key and "not cached" in engine.speculator.sps_table.note
+    assert not cache_path(key, sp.sps_cache_dir()).exists()
+    load["cores"] = sp.BUSY_CORES_LIMIT - 0.25
+    again = make(target_fp32, tokenizer, profile_on_start=True)
+    assert len(fake_round.calls) == 2 * n  # profiled again, now cached
+    assert load_cached(key, sp.sps_cache_dir()).to_dict() == again.speculator.sps_table.to_dict()
+
+
+def test_other_cpu_load_counts_other_processes_not_this_one():
+    """A busy loop in a child process reads as ~1 core of other load above what an idle
+    window reads (whatever else the machine runs); the same loop in this process (own CPU
+    time is subtracted) adds nearly nothing."""
+    import subprocess
+    import sys
+    import time
+
+    probe = sp.other_cpu_load()
+    time.sleep(0.8)
+    idle = probe()
+    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 0.8: pass"
+    probe = sp.other_cpu_load()
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    child = probe()
+    probe = sp.other_cpu_load()
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.8:
+        pass
+    own = probe()
+    assert child - idle > 0.5 and own - idle < 0.35, (idle, child, own)
+
+
 def test_cache_key_mismatch_reprofiles(target_fp32, tokenizer, fake_round):
     make(target_fp32, tokenizer, profile_on_start=True)
     n = len(fake_round.calls)

@@ -153,6 +153,22 @@ def test_a_profile_taken_on_a_busy_machine_is_used_but_not_cached(target_fp32, t
     assert load_cached(key, sp.sps_cache_dir()).to_dict() == again.speculator.sps_table.to_dict()
 
 
+def test_a_profiled_table_keeps_the_step_of_a_row_count(monkeypatch):
+    """A round whose cost steps up past 8 rows (MKL's GEMM: +40 % from 8 to 9 fp32 rows on the
+    Ice Lake Xeon) keeps that step in the profiled table; throughput monotonisation would cap
+    9 rows at 9/8 of 8 and let the budget admit a 9th row at c = 8 for +12.5 %."""
+    monkeypatch.setattr(sp, "GLOBAL_WARMUP_S", 0.0)
+
+    def stepped(B: int, ctx: int) -> float:
+        return 0.040 if B <= 8 else 0.056
+
+    table = sp.profile_table(stepped, {"test": "step"}, max_requests=2, max_context=512, gamma=4,
+                             context_lens=[256], repeats=1, warmup=0, save=False)
+    assert table.round_seconds(8, 256) == pytest.approx(0.040)
+    assert table.round_seconds(9, 256) == pytest.approx(0.056)
+    assert table.round_seconds(10, 256) == pytest.approx(0.056)
+
+
 def test_other_cpu_load_counts_other_processes_not_this_one():
     """A busy loop in a child process reads as ~1 core of other load above what an idle
     window reads (whatever else the machine runs); the same loop in this process (own CPU

@@ -45,7 +45,7 @@ def compare(step, cache, context: int, reps: int = 7, n: int = 5) -> dict:
     out: dict[str, list[float]] = {"before_ms": [], "after_ms": []}
     try:
         for _ in range(reps):
-            for key, (lin, group) in (("before_ms", (lambda x, w: F.linear(x, w), 10**9)),
+            for key, (lin, group) in (("before_ms", (lambda x, w, packed=None: F.linear(x, w), 10**9)),
                                       ("after_ms", (fixed_linear, fixed_group))):
                 llama.linear, llama.MIN_DECODE_GROUP = lin, group
                 start = list(cache.lengths)

@@ -4,7 +4,8 @@ Times :class:`runtime.speculation.sps_profiler.EngineRoundFn` rounds (the target
 verification forward, ``spec_round`` and the drafter-context commit; the SPS profile's own
 round, drafting excluded) for every (requests, drafts) cell, all cells interleaved in shuffled
 passes, on an idle engine in the serving dtype. With ``--ab-padding`` each cell is timed with
-fp32 rows unpadded and with ``runtime.models.llama.FP32_PADDED_ROWS`` (alternating order).
+fp32 rows unpadded and with ``runtime.models.llama.FP32_PADDED_ROWS`` (alternating order; where the
+fp32 weights are MKL-packed, 2..``PACKED_M_MAX`` rows take the packed route and are never padded).
 Prints one JSON line per cell: median ms (and the speed-up of padding).
 
     PYTHONPATH=. .venv/bin/python bench/round_shapes.py --requests 1 2 4 --drafts 0 1 2 3 4 6 7 \\

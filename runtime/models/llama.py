@@ -164,7 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = 
         m = x.shape[0]
         if m == 1:
             return torch.mv(weight, x[0]).unsqueeze(0)
-        if packed is not None and m <= PACKED_M_MAX and x.dtype == torch.float32:
+        # (not under autograd: MKL's packed op has no derivative, a trained weight outdates its copy)
+        if packed is not None and m <= PACKED_M_MAX and x.dtype == torch.float32 and not x.requires_grad:
             return torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, None, m)
         if x.dtype == torch.float32 and m <= SMALL_M_MAX:
             p = FP32_PADDED_ROWS[m]

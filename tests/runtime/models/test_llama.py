@@ -175,6 +175,11 @@ def test_packed_linear_agrees_with_the_fp64_product_and_is_taken_only_where_mean
             took_packed = not torch.allclose(linear(x, w, other), y)
             assert took_packed == (2 <= rows <= PACKED_M_MAX), rows
     assert pack_weight(torch.randn(8, 16).bfloat16()) is None  # fp32 only
+    # an input that needs a gradient takes the differentiable route (the packed op has none)
+    x = torch.randn(4, 576, generator=g, requires_grad=True)
+    w = torch.randn(960, 576, generator=g)
+    linear(x, w, pack_weight(torch.randn(960, 576, generator=g))).sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand(4, -1), atol=1e-3)
     lin = Linear(576, 960)
     lin.packed = pack_weight(lin.weight)
     x = torch.randn(4, 576, generator=g)
